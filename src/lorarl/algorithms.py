@@ -1,0 +1,182 @@
+"""GRPO math: group-normalised advantages, token log-probs, KL estimators, PPO-clip loss.
+
+Pure torch on plain tensors so every piece is testable with hand-computed numbers and
+shared by the FSDP and Megatron engines. Shapes: B sequences, T response tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorarl.errors import ConfigError
+
+KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+# exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
+# turns into NaN gradients even where a later clamp hides the value.
+_MAX_LOG_RATIO = 20.0
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    # where() instead of x * mask so NaN/Inf in masked-out positions cannot leak in.
+    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over positions where mask is true; 0 where nothing is kept (not NaN)."""
+    total = masked_sum(x, mask, dim)
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Outcome advantage per sample: (r - group mean) / (group std + eps), std unbiased.
+
+    Groups whose rewards are all equal (including singletons) get exactly 0: they carry
+    no signal about which sample was better, and float round-off must not invent one.
+    """
+    if rewards.dim() != 1 or group_index.shape != rewards.shape:
+        raise ValueError(
+            f"grpo_advantages wants rewards[B] and group_index[B], got "
+            f"{tuple(rewards.shape)} and {tuple(group_index.shape)}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    r = rewards.to(torch.float64)
+    _, inv = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inv.max()) + 1
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
+    count = zeros.index_add(0, inv, torch.ones_like(r))
+    mean = zeros.index_add(0, inv, r) / count
+    dev = r - mean[inv]
+    if norm_by_std:
+        var = zeros.index_add(0, inv, dev * dev) / (count - 1).clamp(min=1)
+        adv = dev / (var.sqrt()[inv] + eps)
+    else:
+        adv = dev
+    hi = torch.full_like(zeros, -torch.inf).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full_like(zeros, torch.inf).scatter_reduce(0, inv, r, "amin")
+    constant = (hi == lo)[inv]
+    adv = torch.where(constant, torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024
+) -> torch.Tensor:
+    """log p(label) per position, float32, via logit[label] - logsumexp(logits).
+
+    Rows are processed in chunks so a bf16 [B, T, V] never exists as one float32 copy
+    (at V=152k and 8k tokens that copy alone would be ~5 GB).
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    flat_labels = labels.reshape(-1)
+    out = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start : start + chunk_rows].float()
+        lab = flat_labels[start : start + chunk_rows]
+        picked = rows.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    if not out:
+        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    return torch.cat(out).reshape(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, float32: logsumexp(l) - sum(p * l)."""
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    out = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        rows = flat[start : start + chunk_rows].float()
+        probs = torch.softmax(rows, dim=-1)
+        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
+    if not out:
+        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    return torch.cat(out).reshape(logits.shape[:-1])
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens."""
+    if kind == "k1":
+        return logp - ref_logp
+    if kind in ("k2", "mse"):
+        return 0.5 * (logp - ref_logp).square()
+    if kind in ("k3", "low_var_kl"):
+        log_ratio = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
+    raise ConfigError(
+        f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}"
+    )
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar over the tokens mask keeps.
+
+    Sequence modes average over sequences that have at least one kept token, so
+    fully-masked padding rows do not dilute the loss.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        per_seq = masked_sum(loss_mat, mask, dim=-1)
+        if mode == "seq-mean-token-mean":
+            per_seq = masked_mean(loss_mat, mask, dim=-1)
+        has_tokens = mask.bool().any(dim=-1)
+        return masked_mean(per_seq, has_tokens)
+    raise ConfigError(
+        f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}"
+    )
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip surrogate loss (optionally dual-clip) and its diagnostics.
+
+    advantages may be per sequence [B] (GRPO outcome reward) or per token [B, T].
+    Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
+    of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip).
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ConfigError(
+            f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable"
+        )
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    adv = adv.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    clipfrac_lower = torch.zeros(())
+    if clip_ratio_c is not None:
+        cap = -adv * clip_ratio_c
+        negative = (adv < 0).expand_as(loss_mat)
+        capped = negative & (loss_mat > cap)
+        clipfrac_lower = masked_mean(capped.float(), mask)
+        loss_mat = torch.where(negative, torch.minimum(loss_mat, cap), loss_mat)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode)
+    metrics = {
+        "pg_clipfrac": float(clipfrac),
+        "ppo_kl": float(masked_mean(-(logp - old_logp).detach(), mask)),
+        "pg_clipfrac_lower": float(clipfrac_lower),
+    }
+    return loss, metrics

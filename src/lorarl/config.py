@@ -1,0 +1,428 @@
+"""Typed schemas for every config group, and the cross-field checks Hydra cannot do.
+
+The YAML files under conf/ are the source of truth for values; these dataclasses are the
+source of truth for which keys exist and their types. Hydra merges each YAML into its
+schema, so a typo (`model.lora.rnak=8`) or a wrong type fails at compose time naming the
+key. `validate` then checks what needs several keys at once and returns the typed object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lorarl.errors import ConfigError
+
+HF_LINEAR_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
+# vLLM rejects them when the adapter is loaded ("... is unsupported LoRA weight").
+VLLM_LORA_UNSUPPORTED = ("lm_head", "embed_tokens")
+BACKENDS = ("fsdp", "megatron")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    alpha: int = 32
+    dropout: float = 0.0
+    # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
+    target_modules: list[str] = field(default_factory=lambda: list(HF_LINEAR_PROJECTIONS))
+    # Megatron only: fused `lora` or per-projection `canonical_lora`.
+    type: str = "lora"
+    # Megatron only: initialisation of A (B always starts at zero).
+    init_A: str = "xavier"
+    # true: push merged W + BA every step into a vLLM started without LoRA.
+    merge: bool = False
+
+
+@dataclass
+class ModelConfig:
+    # HF hub id or local directory.
+    path: str = MISSING
+    # "tiny_qwen2": build the embedded model at `path` when it is not there yet.
+    builder: Optional[str] = None
+    # Training dtype of the frozen base; LoRA weights and optimizer state stay float32.
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = MISSING
+    val_files: list[str] = field(default_factory=list)
+    # "arith": the files are written by the embedded task generator when missing.
+    generator: Optional[str] = None
+    generator_size: int = 2000
+    train_batch_size: int = 8
+    val_batch_size: Optional[int] = None
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    filter_overlong_prompts: bool = True
+    # error | left | right: what to do with prompts over max_prompt_length when not filtered.
+    truncation: str = "error"
+    shuffle: bool = True
+    # "package.module:function" scoring every sample instead of the data_source registry.
+    reward_fn: Optional[str] = None
+
+
+@dataclass
+class ValKwargs:
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    tensor_model_parallel_size: int = 1
+    # auto/safetensors: vLLM reads the base from disk. dummy: random base, sent once by the trainer.
+    load_format: str = "auto"
+    # Export the adapter one FSDP unit at a time (needs the base already in vLLM).
+    layered_summon: bool = False
+    enforce_eager: bool = True
+    # vLLM sleep mode between rollouts (GPU only).
+    free_cache_engine: bool = True
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
+    adapter_transport: str = "tmpfs"
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    # Counted in prompts, like train_batch_size; each becomes rollout.n sequences.
+    ppo_mini_batch_size: int = 8
+    # Counted in sequences per device.
+    ppo_micro_batch_size_per_gpu: int = 4
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    # Dual-clip bound for negative advantages; null disables it.
+    clip_ratio_c: Optional[float] = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    kl_penalty: str = "k1"
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    # Overrides total_epochs when set.
+    total_steps: Optional[int] = None
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = False
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "lorarl"
+    experiment_name: str = "grpo"
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    # auto: cuda when GPUs are visible, else cpu (gloo).
+    device: str = "auto"
+    seed: int = 1
+    # After each sync, compare trainer and vLLM log-probs on a fixed sequence.
+    check_sync: bool = False
+    check_sync_tolerance: float = 0.05
+    default_local_dir: str = "checkpoints"
+    resume_mode: str = "auto"
+    max_ckpt_to_keep: Optional[int] = None
+    progress_bar: bool = True
+
+
+@dataclass
+class FSDPBackendConfig:
+    strategy: str = "fsdp2"
+    reshard_after_forward: bool = True
+    # GPU only: keep sharded params / optimizer state in CPU memory between uses.
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    # float32 or bfloat16: dtype of the all-gathered params during compute (GPU).
+    mixed_precision: str = "bfloat16"
+
+
+@dataclass
+class MegatronBackendConfig:
+    strategy: str = "megatron"
+    # megatron_bridge (LoRA adapters + HF export) or mbridge (full weights only).
+    bridge: str = "megatron_bridge"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    # transformer_engine or local (megatron-core's own layers; no TransformerEngine needed).
+    transformer_impl: str = "local"
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Chosen on the command line with +backend=fsdp|megatron; no default on purpose.
+    backend: Any = MISSING
+
+
+def cache_dir() -> str:
+    """Where the embedded model and generated data live: $LORARL_CACHE or ~/.cache/lorarl."""
+    return os.path.expanduser(os.environ.get("LORARL_CACHE", "~/.cache/lorarl"))
+
+
+def register_schemas() -> None:
+    """Make the schemas visible to Hydra; the YAML files name them in their defaults lists."""
+    if not OmegaConf.has_resolver("lorarl_cache"):
+        OmegaConf.register_new_resolver("lorarl_cache", cache_dir)
+    cs = ConfigStore.instance()
+    cs.store(name="grpo_schema", node=GRPOConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
+    cs.store(group="backend", name="fsdp_schema", node=FSDPBackendConfig)
+    cs.store(group="backend", name="megatron_schema", node=MegatronBackendConfig)
+
+
+register_schemas()
+
+MISSING_BACKEND = (
+    "no training backend chosen: add +backend=fsdp (FSDP2, CPU or GPU) or +backend=megatron (Megatron-core, GPU)"
+)
+
+
+@dataclass
+class RunConfig:
+    """The validated, typed config handed to the trainer (plain dataclasses, picklable)."""
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    actor: ActorConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    backend: FSDPBackendConfig | MegatronBackendConfig
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def clip_low(self) -> float:
+        return self.actor.clip_ratio if self.actor.clip_ratio_low is None else self.actor.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.actor.clip_ratio if self.actor.clip_ratio_high is None else self.actor.clip_ratio_high
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Typed config from a composed one, after every cross-field check."""
+    if "backend" not in cfg or OmegaConf.is_missing(cfg, "backend"):
+        raise ConfigError(MISSING_BACKEND)
+    obj = OmegaConf.to_object(cfg)
+    run = RunConfig(**{k: getattr(obj, k) for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend")})
+    validate(run)
+    return run
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    _check(value in allowed, f"{key}={value!r} is not valid; use one of: {', '.join(map(str, allowed))}")
+
+
+def validate(run: RunConfig) -> None:
+    """Every check that needs more than one key, or knowledge Hydra lacks. One line per error."""
+    from lorarl.sync import vllm_lora_rank
+
+    m, d, r, a, alg, t = run.model, run.data, run.rollout, run.actor, run.algorithm, run.trainer
+    backend = run.backend.strategy
+    _one_of("backend", backend, ("fsdp2", "megatron"))
+
+    lora = m.lora
+    _check(lora.rank > 0, f"model.lora.rank={lora.rank} must be > 0 (LoRA is the only training mode)")
+    vllm_lora_rank(lora.rank)  # raises ConfigError above vLLM's largest rank
+    _check(lora.alpha > 0, f"model.lora.alpha={lora.alpha} must be > 0")
+    _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    _check(len(lora.target_modules) > 0, "model.lora.target_modules is empty; list modules such as q_proj,v_proj or all-linear")
+    for name in lora.target_modules:
+        leaf = name.split(".")[-1]
+        _check(
+            leaf not in VLLM_LORA_UNSUPPORTED,
+            f"model.lora.target_modules contains {name!r}: vLLM cannot load LoRA on lm_head/embed_tokens; "
+            f"target the linear projections ({','.join(HF_LINEAR_PROJECTIONS)})",
+        )
+    _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
+    _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
+    _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _check(m.builder in (None, "tiny_qwen2"), f"model.builder={m.builder!r} is not valid; use null or tiny_qwen2")
+
+    _one_of("data.truncation", d.truncation, ("error", "left", "right"))
+    _check(d.train_batch_size > 0, f"data.train_batch_size={d.train_batch_size} must be > 0")
+    _check(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
+    _check(d.generator in (None, "arith"), f"data.generator={d.generator!r} is not valid; use null or arith")
+
+    _one_of("rollout.name", r.name, ("vllm",))
+    _one_of("rollout.adapter_transport", r.adapter_transport, ("tmpfs", "memory"))
+    _check(0.0 < r.gpu_memory_utilization <= 1.0, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
+    _check(r.temperature >= 0.0, f"rollout.temperature={r.temperature} must be >= 0")
+    _check(0.0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    _check(r.val_kwargs.n >= 1, f"rollout.val_kwargs.n={r.val_kwargs.n} must be >= 1")
+    _check(
+        not (r.layered_summon and r.load_format == "dummy"),
+        "rollout.layered_summon=true exports only the adapter, so vLLM must load the base from disk: "
+        "set rollout.load_format=auto (or safetensors), or rollout.layered_summon=false",
+    )
+    _check(
+        not (r.layered_summon and lora.merge),
+        "rollout.layered_summon=true exports only the adapter, but model.lora.merge=true pushes merged full weights; pick one",
+    )
+
+    _one_of("algorithm.adv_estimator", alg.adv_estimator, ("grpo",))
+    _check(
+        not alg.use_kl_in_reward,
+        "algorithm.use_kl_in_reward=true is not supported: GRPO here puts the KL in the loss; set actor.use_kl_loss=true instead",
+    )
+    _check(
+        r.n >= 2,
+        f"rollout.n={r.n}: GRPO compares samples of the same prompt, so with fewer than 2 every advantage is 0; set rollout.n>=2",
+    )
+    _one_of("actor.kl_loss_type", a.kl_loss_type, ("k1", "k2", "mse", "k3", "low_var_kl"))
+    _one_of("algorithm.kl_penalty", alg.kl_penalty, ("k1", "k2", "mse", "k3", "low_var_kl"))
+    _one_of("actor.loss_agg_mode", a.loss_agg_mode, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"))
+    _check(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
+    _check(a.grad_clip > 0, f"actor.grad_clip={a.grad_clip} must be > 0")
+    _check(a.optim.lr > 0, f"actor.optim.lr={a.optim.lr} must be > 0")
+    _check(
+        a.clip_ratio_c is None or a.clip_ratio_c > 1.0,
+        f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip) or null",
+    )
+
+    _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _check(t.nnodes >= 1 and t.n_gpus_per_node >= 1, "trainer.nnodes and trainer.n_gpus_per_node must be >= 1")
+    for lg in t.logger:
+        _one_of("trainer.logger", lg, ("console", "jsonl", "wandb", "tensorboard"))
+    _check(
+        t.resume_mode in ("auto", "disable") or "/" in t.resume_mode or t.resume_mode.startswith("."),
+        f"trainer.resume_mode={t.resume_mode!r} is not valid; use auto, disable, or a checkpoint path",
+    )
+
+    world = run.world_size
+    _check(
+        a.ppo_mini_batch_size <= d.train_batch_size and d.train_batch_size % a.ppo_mini_batch_size == 0,
+        f"data.train_batch_size={d.train_batch_size} must be a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size} (both count prompts)",
+    )
+    _check(
+        d.train_batch_size % world == 0,
+        f"data.train_batch_size={d.train_batch_size} must divide over {world} devices (trainer.nnodes x trainer.n_gpus_per_node)",
+    )
+    mini_seqs = a.ppo_mini_batch_size * r.n
+    _check(
+        mini_seqs % world == 0,
+        f"actor.ppo_mini_batch_size x rollout.n = {mini_seqs} sequences must divide over {world} devices",
+    )
+    per_device = mini_seqs // world
+    _check(
+        per_device % a.ppo_micro_batch_size_per_gpu == 0,
+        f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} must divide the "
+        f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / devices)",
+    )
+    tp = r.tensor_model_parallel_size
+    _check(
+        tp == 1,
+        f"rollout.tensor_model_parallel_size={tp}: each device runs its own vLLM replica, so only 1 is supported; "
+        "spread prompts over devices with trainer.n_gpus_per_node instead",
+    )
+    if backend == "megatron":
+        b = run.backend
+        _one_of("backend.bridge", b.bridge, ("megatron_bridge", "mbridge"))
+        _one_of("backend.transformer_impl", b.transformer_impl, ("transformer_engine", "local"))
+        mp = b.tensor_model_parallel_size * b.pipeline_model_parallel_size
+        _check(
+            world % mp == 0,
+            f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
+        )
+        _check(
+            lora.rank % b.tensor_model_parallel_size == 0,
+            f"model.lora.rank={lora.rank} must be divisible by backend.tensor_model_parallel_size={b.tensor_model_parallel_size}",
+        )
+        _check(
+            b.bridge != "mbridge" or lora.merge,
+            "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or backend.bridge=megatron_bridge",
+        )
+    else:
+        _one_of("backend.mixed_precision", run.backend.mixed_precision, ("float32", "bfloat16"))
+
+
+def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:
+    """Checks that need the model's config: tensor parallel sizes must split the heads."""
+    sizes = [("rollout.tensor_model_parallel_size", run.rollout.tensor_model_parallel_size)]
+    if run.backend.strategy == "megatron":
+        sizes.append(("backend.tensor_model_parallel_size", run.backend.tensor_model_parallel_size))
+    for key, tp in sizes:
+        _check(
+            num_attention_heads % tp == 0,
+            f"{key}={tp} does not divide the model's {num_attention_heads} attention heads",
+        )
+        _check(
+            num_key_value_heads % tp == 0 or tp % num_key_value_heads == 0,
+            f"{key}={tp} does not divide the model's {num_key_value_heads} key/value heads",
+        )
+
+
+def steps_for(run: RunConfig, steps_per_epoch: int) -> int:
+    """Total optimizer steps: trainer.total_steps if set, else epochs x batches per epoch."""
+    if run.trainer.total_steps is not None:
+        return run.trainer.total_steps
+    return run.trainer.total_epochs * steps_per_epoch
+
+
+__all__ = ["RunConfig", "to_run_config", "validate", "check_model_shape", "steps_for"]

@@ -1,0 +1,334 @@
+"""FSDP2 training engine around a PEFT LoRA model.
+
+`fully_shard` wraps every decoder layer, then the root. Only LoRA weights train; the frozen
+base keeps its load dtype while LoRA weights and optimizer state stay float32 (FSDP2 only
+asks trainable params to share a dtype). The reference policy is this same model under
+`disable_adapter()`: no second model is built.
+
+Export is where the seed bugs lived, so it is explicit: `export(kind)` returns a
+`WeightPayload` whose kind the caller chose. Adapter tensors can be gathered three ways:
+- bucketed (default): one all-gather of every rank's local LoRA shards, never touching base
+  weights;
+- layered (`rollout.layered_summon`): unshard one FSDP unit at a time, copy its LoRA params;
+- per_param: one `DTensor.full_tensor()` per LoRA param (many small collectives; kept to
+  compare against in benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lorarl import algorithms
+from lorarl.batch import TrainBatch
+from lorarl.config import RunConfig
+from lorarl.errors import ModelError, TrainingError
+from lorarl.sync import PayloadKind, WeightPayload
+
+PEFT_PREFIX = "base_model.model."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_lora_model(run: RunConfig, device: torch.device):
+    """HF causal LM with a PEFT LoRA adapter, on CPU, ready to shard."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    m = run.model
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            m.path,
+            dtype=DTYPES[m.dtype],
+            trust_remote_code=m.trust_remote_code,
+            attn_implementation="sdpa",
+            use_safetensors=True,
+        )
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first}") from err
+    if m.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    targets = m.lora.target_modules
+    lora_cfg = LoraConfig(
+        r=m.lora.rank,
+        lora_alpha=m.lora.alpha,
+        lora_dropout=m.lora.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        peft_model = get_peft_model(model, lora_cfg)
+    except ValueError as err:
+        raise ModelError(
+            f"model.lora.target_modules={list(targets)} matched no module of {m.path}: {str(err).splitlines()[0]}"
+        ) from err
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return peft_model
+
+
+def decoder_layers(peft_model) -> list[torch.nn.Module]:
+    inner = peft_model.base_model.model  # the HF *ForCausalLM
+    return list(inner.model.layers)
+
+
+class FSDPEngine:
+    def __init__(self, run: RunConfig, device: torch.device):
+        self.run = run
+        self.device = device
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        on_gpu = device.type == "cuda"
+        peft_model = load_lora_model(run, device)
+        b = run.backend
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[b.mixed_precision] if on_gpu else None,
+            reduce_dtype=torch.float32,
+        )
+        kwargs = dict(mp_policy=mp, reshard_after_forward=b.reshard_after_forward)
+        if on_gpu and (b.param_offload or b.optimizer_offload):
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
+        for layer in decoder_layers(peft_model):
+            fully_shard(layer, mesh=mesh, **kwargs)
+        fully_shard(peft_model, mesh=mesh, **kwargs)
+        self.model = peft_model
+        self.lora_names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        o = run.actor.optim
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        warm = max(o.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+        self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _forward(self, mb: TrainBatch, with_entropy: bool, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mb = mb.to(self.device)
+        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        logits = out.logits[:, :-1, :].float() / (self.temperature if temperature is None else temperature)
+        logp = algorithms.logprobs_from_logits(logits, mb.input_ids[:, 1:])
+        ent = algorithms.entropy_from_logits(logits) if with_entropy else None
+        return logp, ent
+
+    @torch.no_grad()
+    def log_probs(self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None) -> torch.Tensor:
+        """Log-probs of every next token at the rollout temperature (or `temperature`);
+        `reference=True` runs the base with the adapter disabled."""
+        self.model.eval()
+        ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
+        outs = []
+        with ctx:
+            for mb in batch.chunks(self.run.actor.ppo_micro_batch_size_per_gpu):
+                outs.append(self._forward(mb, with_entropy=False, temperature=temperature)[0].cpu())
+        return _cat_padded(outs)
+
+    # ---- update --------------------------------------------------------------------------
+
+    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """PPO-clip epochs over mini-batches with gradient accumulation over micro-batches."""
+        a = self.run.actor
+        self.model.train()
+        mini = a.ppo_mini_batch_size * self.run.rollout.n // self.world
+        micro = a.ppo_micro_batch_size_per_gpu
+        sums: dict[str, list[float]] = {}
+        gen = torch.Generator().manual_seed(self.run.trainer.seed * 100003 + step)
+        for _ in range(a.ppo_epochs):
+            order = torch.randperm(len(batch), generator=gen)
+            shuffled = batch.select(order)
+            for mb_start in range(0, len(batch), mini):
+                minibatch = shuffled.select(slice(mb_start, mb_start + mini))
+                n_micro = math.ceil(len(minibatch) / micro)
+                for i, mb in enumerate(minibatch.chunks(micro)):
+                    self.model.set_requires_gradient_sync(i == n_micro - 1)
+                    metrics = self._micro_step(mb, scale=len(mb) / len(minibatch))
+                    for k, v in metrics.items():
+                        sums.setdefault(k, []).append(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], a.grad_clip
+                )
+                if isinstance(grad_norm, DTensor):
+                    grad_norm = grad_norm.full_tensor()
+                grad_norm = float(grad_norm)
+                if not math.isfinite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise TrainingError(f"step {step}: grad norm is {grad_norm}; stopping before the update is applied")
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                sums.setdefault("actor/grad_norm", []).append(grad_norm)
+        self.scheduler.step()
+        result = {k: sum(v) / len(v) for k, v in sums.items()}
+        result["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return result
+
+    def _micro_step(self, mb: TrainBatch, scale: float) -> dict[str, float]:
+        a = self.run.actor
+        logp, ent = self._forward(mb, with_entropy=True)
+        mb = mb.to(self.device)
+        mask = mb.response_mask[:, : logp.shape[1]]
+        old = mb.old_logp[:, : logp.shape[1]]
+        pg_loss, pg_metrics = algorithms.policy_loss(
+            logp,
+            old,
+            mb.advantages,
+            mask,
+            clip_ratio_low=self.run.clip_low,
+            clip_ratio_high=self.run.clip_high,
+            clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode,
+        )
+        entropy = algorithms.agg_loss(ent, mask, a.loss_agg_mode)
+        loss = pg_loss - a.entropy_coeff * entropy
+        kl_loss = torch.zeros((), device=logp.device)
+        if a.use_kl_loss:
+            kl = algorithms.kl_penalty(logp, mb.ref_logp[:, : logp.shape[1]], a.kl_loss_type)
+            kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl_loss
+        if not torch.isfinite(loss):
+            raise TrainingError(f"loss is {float(loss)} (pg {float(pg_loss)}, kl {float(kl_loss)}); stopping")
+        (loss * scale).backward()
+        out = {
+            "actor/pg_loss": float(pg_loss),
+            "actor/kl_loss": float(kl_loss),
+            "actor/entropy": float(entropy),
+        }
+        out.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        return out
+
+    # ---- export --------------------------------------------------------------------------
+
+    def adapter_config(self) -> dict:
+        cfg = self.model.peft_config["default"].to_dict()
+        # JSON-friendly: PEFT stores target_modules as a set and task_type as an enum.
+        cfg["target_modules"] = sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
+        cfg["task_type"] = str(getattr(cfg.get("task_type"), "value", cfg.get("task_type")))
+        cfg["peft_type"] = str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type")))
+        cfg["base_model_name_or_path"] = self.run.model.path
+        return {k: v for k, v in cfg.items() if _jsonable(v)}
+
+    def export(self, kind: PayloadKind, method: str = "bucketed") -> tuple[WeightPayload, float]:
+        """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call)."""
+        t0 = time.perf_counter()
+        if kind is PayloadKind.ADAPTER:
+            gather = {"bucketed": self._adapter_bucketed, "layered": self._adapter_layered, "per_param": self._adapter_per_param}
+            tensors = gather[method]()
+            return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
+        merge = self.run.model.lora.merge
+        return WeightPayload.base(self._base_stream(merge=merge)), time.perf_counter() - t0
+
+    def _adapter_per_param(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                out[_peft_name(name)] = full.detach().to("cpu", copy=True)
+        return out
+
+    def _adapter_layered(self) -> dict[str, torch.Tensor]:
+        out = {}
+        with torch.no_grad():
+            for prefix, unit in _fsdp_units(self.model):
+                own = [(n, p) for n, p in _own_params(unit) if "lora_" in n]
+                if not own:
+                    continue
+                unit.unshard()
+                # Unsharded params are swapped in only while unsharded: read them now.
+                for n, p in _own_params(unit):
+                    if "lora_" in n:
+                        out[_peft_name(prefix + n)] = p.detach().to("cpu", copy=True)
+                unit.reshard()
+        return out
+
+    def _adapter_bucketed(self) -> dict[str, torch.Tensor]:
+        """One all-gather of all LoRA shards: every rank pads its dim-0 chunk to ceil(rows/world)."""
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        pieces, layout = [], []
+        for name, p in params:
+            rows = p.shape[0]
+            chunk = math.ceil(rows / self.world)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local = local.detach().reshape(local.shape[0], -1) if local.numel() else local.detach().new_zeros((0, int(math.prod(p.shape[1:]))))
+            padded = local.new_zeros((chunk, local.shape[1]))
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1).float())
+            layout.append((name, tuple(p.shape), chunk))
+        flat = torch.cat(pieces)
+        gathered = torch.empty(self.world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat)
+        gathered = gathered.view(self.world, -1).cpu()
+        out, offset = {}, 0
+        for name, shape, chunk in layout:
+            cols = int(math.prod(shape[1:]))
+            width = chunk * cols
+            block = gathered[:, offset : offset + width].reshape(self.world * chunk, cols)[: shape[0]]
+            out[_peft_name(name)] = block.reshape(shape).clone()
+            offset += width
+        return out
+
+    def _base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Plain-HF-named base weights, one FSDP unit unsharded at a time; merged W + BA if asked."""
+        scale = self.run.model.lora.alpha / self.run.model.lora.rank
+        with torch.no_grad():
+            for prefix, unit in _fsdp_units(self.model):
+                unit.unshard()
+                own = dict(_own_params(unit))
+                for name, p in own.items():
+                    if "lora_" in name:
+                        continue
+                    tensor = p.detach()
+                    if merge and name.endswith(".base_layer.weight"):
+                        stem = name[: -len(".base_layer.weight")]
+                        a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
+                        tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
+                    yield _hf_name(prefix + name), tensor.to("cpu", copy=True)
+                unit.reshard()
+
+    # ---- checkpoint helpers --------------------------------------------------------------
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Full LoRA tensors under PEFT names (collective)."""
+        return self._adapter_bucketed()
+
+
+def _jsonable(v) -> bool:
+    return v is None or isinstance(v, (str, int, float, bool, list, dict))
+
+
+def _fsdp_units(model) -> list[tuple[str, FSDPModule]]:
+    """Every FSDP unit with the name prefix of its params, root first."""
+    return [(f"{n}." if n else "", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def _own_params(unit: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Params managed by this unit, not by a nested FSDP unit inside it."""
+    nested = [f"{n}." for n, m in unit.named_modules() if n and isinstance(m, FSDPModule)]
+    for name, p in unit.named_parameters():
+        if not any(name.startswith(pre) for pre in nested):
+            yield name, p
+
+
+def _peft_name(param_name: str) -> str:
+    """PEFT's saved adapter name: the adapter name (`default`) is dropped."""
+    return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
+def _hf_name(param_name: str) -> str:
+    name = param_name[len(PEFT_PREFIX):] if param_name.startswith(PEFT_PREFIX) else param_name
+    return name.replace(".base_layer.", ".")
+
+
+def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
+    width = max(c.shape[1] for c in chunks)
+    return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])

@@ -1,0 +1,25 @@
+"""Errors a user can act on. Each message is one line naming the key or file and the fix."""
+
+
+class LorarlError(Exception):
+    """Base of every error lorarl raises on purpose."""
+
+
+class ConfigError(LorarlError):
+    """A config value is missing, mistyped or inconsistent with another."""
+
+
+class DataError(LorarlError):
+    """A data file is missing, unreadable or lacks what the task needs."""
+
+
+class ModelError(LorarlError):
+    """A model path or LoRA target cannot be used."""
+
+
+class SyncError(LorarlError):
+    """A weight payload is malformed or the rollout disagrees with the trainer after a sync."""
+
+
+class TrainingError(LorarlError):
+    """Training diverged (NaN/Inf) or a worker failed."""

@@ -1,0 +1,85 @@
+"""Reward functions chosen by a row's data_source, or a user function given by import path.
+
+A reward function maps (solution_str, ground_truth, extra_info) to a float.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from lorarl.errors import ConfigError
+from lorarl.rewards import arith, gsm8k
+
+RewardFn = Callable[[str, str, "dict | None"], float]
+
+
+def _gsm8k(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    return gsm8k.score(solution, ground_truth)
+
+
+def _arith(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    return arith.score(solution, ground_truth)
+
+
+REGISTRY: dict[str, RewardFn] = {
+    "openai/gsm8k": _gsm8k,
+    "gsm8k": _gsm8k,
+    "arith": _arith,
+}
+
+
+def _load_custom(path: str) -> Callable[..., Any]:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"reward.custom_fn={path!r} must look like 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(
+            f"reward.custom_fn={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"reward.custom_fn={path!r}: module {module_name!r} has no callable {attr!r}"
+        )
+    return fn
+
+
+def get_reward_fn(data_source: str, custom: str | None = None) -> RewardFn:
+    """The reward function for `data_source`; `custom` overrides the registry.
+
+    A custom function takes verl's signature (data_source, solution_str, ground_truth,
+    extra_info) so reward functions written for verl plug in unchanged; it may return a
+    number or a dict with a "score" entry.
+    """
+    if custom:
+        user_fn = _load_custom(custom)
+
+        def _custom(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+            result = user_fn(data_source, solution, ground_truth, extra_info)
+            if isinstance(result, dict):
+                result = result["score"]
+            return float(result)
+
+        return _custom
+    try:
+        return REGISTRY[data_source]
+    except KeyError:
+        raise ConfigError(
+            f"no reward function for data_source {data_source!r}; known: {', '.join(sorted(REGISTRY))}"
+            f" (or set reward.custom_fn='package.module:function')"
+        ) from None
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    return get_reward_fn(data_source)(solution_str, ground_truth, extra_info)
+
+
+__all__ = ["REGISTRY", "RewardFn", "compute_score", "get_reward_fn"]

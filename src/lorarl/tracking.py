@@ -1,0 +1,97 @@
+"""Where step metrics go: console, metrics.jsonl in the run folder, wandb, tensorboard."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+SECRET_KEYS = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
+CONSOLE_KEYS = (
+    "reward/mean",
+    "val/acc",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "response_length/mean",
+    "sync/kind",
+    "sync/seconds",
+    "sync/logprob_diff_max",
+    "timing/step",
+)
+
+
+def redact(obj: Any) -> Any:
+    """Copy of a config with secret-looking keys blanked: never written to logs or files."""
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if SECRET_KEYS.search(str(k)) and v else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+class Tracker:
+    def __init__(self, loggers: list[str], out_dir: Path, project: str, experiment: str, config: dict, write=print):
+        self.loggers = set(loggers)
+        self.out_dir = Path(out_dir)
+        self.write = write
+        self._jsonl = None
+        self._wandb = None
+        self._tb = None
+        config = redact(config)
+        if "jsonl" in self.loggers:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        if "wandb" in self.loggers:
+            import wandb
+
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.out_dir), reinit="finish_previous")
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step, **metrics}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row, default=_plain) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items()}, step=step)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        if "console" in self.loggers:
+            shown = [f"{k}={_fmt(v)}" for k, v in row.items() if k in CONSOLE_KEYS or k.startswith("val/")]
+            self.write(f"step {step}: " + " ".join(shown))
+
+    def finish(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def _plain(v: Any) -> Any:
+    return float(v) if hasattr(v, "__float__") else str(v)

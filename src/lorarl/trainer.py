@@ -1,0 +1,256 @@
+"""The GRPO step loop, run on the driver.
+
+    generate (vLLM on every worker, n samples per prompt, adapter attached)
+    -> reward -> GRPO advantages
+    -> old and reference log-probs, PPO update (workers, FSDP collectives)
+    -> sync weights into vLLM -> log
+
+Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
+its GRPO group, stay on one worker.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from lorarl import algorithms
+from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
+from lorarl.tracking import Tracker
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        from lorarl.errors import ConfigError
+
+        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    return requested
+
+
+def prepare_model(run: RunConfig) -> str:
+    """Local path of the model, building the embedded one on first use."""
+    import os
+
+    path = os.path.expanduser(run.model.path)
+    if run.model.builder == "tiny_qwen2":
+        from lorarl.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(path, seed=0)
+    run.model.path = path
+    return path
+
+
+def prepare_data(run: RunConfig) -> None:
+    import os
+
+    d = run.data
+    d.train_files = [os.path.expanduser(f) for f in d.train_files]
+    d.val_files = [os.path.expanduser(f) for f in d.val_files]
+    if d.generator == "arith":
+        from lorarl.data.dataset import ensure_arith_parquet
+
+        if not d.val_files:
+            d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
+        ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, n_val=max(64, d.generator_size // 10), seed=0)
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Entry point behind `python -m recipes.grpo`: returns the final mean reward."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_cfg = to_run_config(cfg)
+    out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
+    trainer = GRPOTrainer(run_cfg, out_dir)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+class GRPOTrainer:
+    def __init__(self, run: RunConfig, out_dir: Path):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from lorarl.data.dataset import PromptLoader, build_prompts, load_rows
+
+        self.run = run
+        self.out_dir = Path(out_dir)
+        self.group = None
+        self.tracker = None
+        self.device = resolve_device(run.trainer.device)
+        if run.backend.strategy == "megatron" and self.device != "cuda":
+            from lorarl.errors import ConfigError
+
+            raise ConfigError("the Megatron backend needs CUDA GPUs (none found); use +backend=fsdp on CPU")
+        model_path = prepare_model(run)
+        prepare_data(run)
+        hf_cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=run.model.trust_remote_code)
+        check_model_shape(run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=run.model.trust_remote_code)
+        d = run.data
+        items, dropped = build_prompts(
+            load_rows(d.train_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
+        )
+        self.dropped_prompts = dropped
+        self.loader = PromptLoader(items, d.train_batch_size, shuffle=d.shuffle, seed=run.trainer.seed)
+        self.val_items = []
+        if d.val_files and (run.trainer.test_freq > 0 or run.trainer.val_before_train):
+            self.val_items, _ = build_prompts(
+                load_rows(d.val_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
+            )
+        self.total_steps = steps_for(run, self.loader.steps_per_epoch)
+        self.step = 0
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def fit(self) -> float | None:
+        from tqdm.auto import tqdm
+
+        from lorarl.worker_group import WorkerGroup
+
+        t = self.run.trainer
+        self.tracker = Tracker(t.logger, self.out_dir, t.project_name, t.experiment_name, self.run.to_dict(), write=tqdm.write)
+        if self.dropped_prompts:
+            tqdm.write(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
+        self.group = WorkerGroup(self.run, self.device)
+        # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
+        first_sync = self.group.call("sync")[0]
+        self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
+        if t.val_before_train and self.val_items:
+            self.tracker.log(self.validate(), step=0)
+        last_reward = None
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", disable=not t.progress_bar, dynamic_ncols=True)
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            if t.test_freq > 0 and self.val_items and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step=self.step)
+            last_reward = metrics["reward/mean"]
+            bar.update(1)
+            bar.set_postfix(reward=f"{last_reward:.3f}", sync=metrics["sync/kind"])
+        bar.close()
+        return last_reward
+
+    def train_step(self) -> dict:
+        r, d = self.run.rollout, self.run.data
+        t_step = time.perf_counter()
+        prompts = self.loader.next_batch()
+        shards = _split(prompts, self.group.world_size)
+        seed = self.run.trainer.seed * 1_000_003 + self.step
+        gen = self.group.call_each(
+            "generate",
+            [([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i) for i, shard in enumerate(shards)],
+        )
+        t_gen = max(seconds for _, seconds in gen)
+
+        per_worker, all_rewards, all_lengths = [], [], []
+        for shard, (responses, _) in zip(shards, gen):
+            p_ids, r_ids, rewards, groups = [], [], [], []
+            for g, (item, samples) in enumerate(zip(shard, responses)):
+                for sample in samples:
+                    p_ids.append(item.prompt_ids)
+                    r_ids.append(sample)
+                    rewards.append(self.score(item, sample))
+                    groups.append(g)
+            adv = algorithms.grpo_advantages(
+                torch.tensor(rewards), torch.tensor(groups), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
+            )
+            per_worker.append((p_ids, r_ids, adv.tolist(), self.step))
+            all_rewards += rewards
+            all_lengths += [len(x) for x in r_ids]
+        if self.run.trainer.check_sync and self.step == 1:
+            # A fixed probe sequence: the first prompt and its first sample, kept for every later sync.
+            self.group.call("set_probe", per_worker[0][0][0] + per_worker[0][1][0], len(per_worker[0][0][0]))
+
+        t0 = time.perf_counter()
+        sleep_s = self.group.call("sleep")[0]
+        train = self.group.call_each("train_step", per_worker)
+        t_update = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        syncs = self.group.call("sync")
+        t_sync_wall = time.perf_counter() - t0
+
+        rewards_t = torch.tensor(all_rewards, dtype=torch.float32)
+        metrics = {
+            "reward/mean": float(rewards_t.mean()),
+            "reward/std": float(rewards_t.std()) if len(all_rewards) > 1 else 0.0,
+            "response_length/mean": sum(all_lengths) / len(all_lengths),
+            "response_length/max": max(all_lengths),
+        }
+        metrics.update(_mean_over_workers(train))
+        metrics.update(syncs[0])
+        if "sync/logprob_diff_max" in syncs[0]:
+            metrics["sync/logprob_diff_max"] = max(s["sync/logprob_diff_max"] for s in syncs)
+        metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
+        metrics["timing/gen"] = t_gen
+        metrics["timing/train"] = t_update
+        metrics["timing/sleep"] = sleep_s
+        metrics["timing/sync"] = t_sync_wall
+        metrics["timing/step"] = time.perf_counter() - t_step
+        metrics["data/epoch"] = self.loader.epoch
+        return metrics
+
+    def score(self, item, response_ids: list[int]) -> float:
+        from lorarl.rewards import get_reward_fn
+
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        fn = get_reward_fn(item.data_source, self.run.data.reward_fn)
+        return float(fn(text, item.ground_truth, item.extra_info))
+
+    def validate(self) -> dict:
+        """Reward and accuracy on data.val_files with rollout.val_kwargs, per data source."""
+        vk, d = self.run.rollout.val_kwargs, self.run.data
+        temperature = vk.temperature if vk.do_sample else 0.0
+        shards = _split(self.val_items, self.group.world_size)
+        t0 = time.perf_counter()
+        gen = self.group.call_each(
+            "generate",
+            [([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i) for i, shard in enumerate(shards)],
+        )
+        by_source: dict[str, list[list[float]]] = {}
+        for shard, (responses, _) in zip(shards, gen):
+            for item, samples in zip(shard, responses):
+                by_source.setdefault(item.data_source, []).append([self.score(item, s) for s in samples])
+        out = {"timing/val": time.perf_counter() - t0}
+        accs = []
+        for source, scores in by_source.items():
+            flat = [s for row in scores for s in row]
+            acc = [[1.0 if s >= 1.0 else 0.0 for s in row] for row in scores]
+            mean_n = sum(sum(row) / len(row) for row in acc) / len(acc)
+            out[f"val/{source}/reward/mean"] = sum(flat) / len(flat)
+            out[f"val/{source}/acc/mean@{vk.n}"] = mean_n
+            out[f"val/{source}/acc/pass@{vk.n}"] = sum(max(row) for row in acc) / len(acc)
+            accs.append(mean_n)
+        out["val/acc"] = sum(accs) / len(accs)
+        return out
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+        if self.tracker is not None:
+            self.tracker.finish()
+            self.tracker = None
+
+
+def _split(items: list, parts: int) -> list[list]:
+    size = len(items) // parts
+    extra = len(items) % parts
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _mean_over_workers(results: list[dict]) -> dict:
+    keys = results[0].keys()
+    return {k: sum(r[k] for r in results) / len(results) for k in keys if isinstance(results[0][k], (int, float))}
+

@@ -1,0 +1,204 @@
+"""One worker per device: a training engine and a vLLM rollout, colocated.
+
+The worker owns the sync decision, and it reads exactly one state for it: whether the
+rollout holds the base weights (`rollout.base_loaded`). The payload kind follows from it,
+the payload carries that kind, and the rollout dispatches on the payload. No second flag
+exists that could disagree.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lorarl.batch import build_batch
+from lorarl.config import RunConfig
+from lorarl.errors import SyncError
+from lorarl.sync import PayloadKind, SyncStats
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Worker:
+    def __init__(self, run: RunConfig, rank: int, world_size: int, device: str, threads: int | None = None):
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine = None
+        self.rollout = None
+        self.probe_seq: tuple[list[int], int] | None = None
+
+    # Ray calls these on every worker before anything else.
+    def node_address(self) -> tuple[str, int]:
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        from lorarl.engines.fsdp import FSDPEngine
+        from lorarl.rollout.vllm import VLLMRollout
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
+        )
+        seed_everything(self.run.trainer.seed + self.rank)
+        r, m = self.run.rollout, self.run.model
+        # vLLM first: on a GPU it sizes its KV cache from the memory still free.
+        self.rollout = VLLMRollout(
+            m.path,
+            lora_rank=None if m.lora.merge else m.lora.rank,
+            max_model_len=r.max_model_len or (self.run.data.max_prompt_length + self.run.data.max_response_length),
+            seed=self.run.trainer.seed + self.rank,
+            dtype=r.dtype,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            tensor_parallel_size=r.tensor_model_parallel_size,
+            load_format=r.load_format,
+            enforce_eager=r.enforce_eager,
+            enable_sleep_mode=self._sleeps,
+            adapter_transport=r.adapter_transport,
+        )
+        self.engine = FSDPEngine(self.run, self.device)
+        if self._sleeps:
+            self.rollout.sleep()
+
+    @property
+    def _sleeps(self) -> bool:
+        return self.device.type == "cuda" and self.run.rollout.free_cache_engine
+
+    # ---- rollout -------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int, seed: int):
+        t0 = time.perf_counter()
+        out = self.rollout.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        return out, time.perf_counter() - t0
+
+    # ---- training ------------------------------------------------------------------------
+
+    def train_step(self, prompts: list[list[int]], responses: list[list[int]], advantages: list[float], step: int) -> dict:
+        """Old and reference log-probs, then the PPO update. Collective over all workers."""
+        timing = {}
+        pad = self.engine.model.config.pad_token_id or 0
+        batch = build_batch(prompts, responses, pad, advantages)
+        t0 = time.perf_counter()
+        batch.old_logp = self.engine.log_probs(batch)
+        timing["timing/old_logp"] = time.perf_counter() - t0
+        if self.run.actor.use_kl_loss:
+            t0 = time.perf_counter()
+            batch.ref_logp = self.engine.log_probs(batch, reference=True)
+            timing["timing/ref_logp"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        metrics = self.engine.update(batch, step)
+        timing["timing/update"] = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return {**metrics, **timing}
+
+    # ---- sync ----------------------------------------------------------------------------
+
+    def sync(self) -> dict:
+        """Bring the rollout up to date with the trainer. Collective over all workers."""
+        r = self.run.rollout
+        t_wake = 0.0
+        if self._sleeps:
+            t0 = time.perf_counter()
+            self.rollout.wake_up(tags=["weights"])
+            t_wake = time.perf_counter() - t0
+        stats: list[SyncStats] = []
+        if self.run.model.lora.merge or not self.rollout.base_loaded:
+            payload, gather_s = self.engine.export(PayloadKind.BASE)
+            stats.append(self._apply(payload, gather_s))
+        if not self.run.model.lora.merge:
+            method = "layered" if r.layered_summon else "bucketed"
+            payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method)
+            stats.append(self._apply(payload, gather_s))
+        if self._sleeps:
+            t0 = time.perf_counter()
+            self.rollout.wake_up(tags=["kv_cache"])
+            t_wake += time.perf_counter() - t0
+        out = {
+            "sync/kind": "+".join(s.kind.value for s in stats),
+            "sync/num_tensors": sum(s.num_tensors for s in stats),
+            "sync/bytes": sum(s.bytes for s in stats),
+            "sync/gather_seconds": sum(s.gather_s for s in stats),
+            "sync/transfer_seconds": sum(s.transfer_s for s in stats),
+            "sync/load_seconds": sum(s.load_s for s in stats),
+            "sync/seconds": sum(s.seconds for s in stats),
+            "sync/num_adapters": self.rollout.num_adapters(),
+        }
+        if self._sleeps:
+            out["timing/wake"] = t_wake
+        if self.run.trainer.check_sync and self.probe_seq is not None:
+            out["sync/logprob_diff_max"] = self.probe()
+        return out
+
+    def _apply(self, payload, gather_s: float) -> SyncStats:
+        stats = self.rollout.apply(payload)
+        stats.gather_s = gather_s
+        return stats
+
+    def sleep(self) -> float:
+        if not self._sleeps:
+            return 0.0
+        t0 = time.perf_counter()
+        self.rollout.sleep()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return time.perf_counter() - t0
+
+    def set_probe(self, token_ids: list[int], start: int) -> None:
+        self.probe_seq = (list(token_ids), start)
+
+    def probe(self) -> float:
+        """Max |trainer - vLLM| log-prob over the probe's response tokens; too large is an error."""
+        token_ids, start = self.probe_seq
+        batch = build_batch([token_ids[:start]], [token_ids[start:]], 0)
+        trainer = self.engine.log_probs(batch, temperature=1.0)[0, start - 1 : len(token_ids) - 1]
+        vllm = torch.tensor(self.rollout.prompt_logprobs(token_ids, start), dtype=torch.float32)
+        diff = float((trainer - vllm).abs().max())
+        tol = self.run.trainer.check_sync_tolerance
+        if diff > tol:
+            raise SyncError(
+                f"rank {self.rank}: after the sync vLLM and the trainer disagree on the probe sequence "
+                f"(max |log-prob diff| {diff:.4f} > trainer.check_sync_tolerance={tol}); the rollout is not using the trained weights"
+            )
+        return diff
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def lora_state(self) -> dict:
+        return self.engine.lora_state()
+
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            self.rollout.shutdown()
+            self.rollout = None
+        self.engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+
+def worker_env() -> dict[str, str]:
+    """Environment every worker process needs before vLLM is imported."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

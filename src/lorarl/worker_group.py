@@ -1,0 +1,102 @@
+"""Ray actors, one Worker per device, on one node or many.
+
+Ray places the actors (one GPU each on CUDA; on CPU, `n_gpus_per_node` processes sharing
+the cores) and carries calls to them; torch.distributed (NCCL or gloo) carries tensors
+between them. A worker's exception reaches the driver as that worker's error, never a hang:
+every call waits on all workers and re-raises the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lorarl.config import RunConfig
+from lorarl.errors import LorarlError, TrainingError
+from lorarl.worker import Worker, worker_env
+
+
+class WorkerGroup:
+    def __init__(self, run: RunConfig, device: str):
+        import ray
+
+        self.world_size = run.world_size
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            env = {"env_vars": worker_env()}
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
+            else:
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, self.world_size),
+                    include_dashboard=False,
+                    runtime_env=env,
+                    logging_level="ERROR",
+                    configure_logging=True,
+                    log_to_driver=True,
+                )
+        self._owns_ray = started_ray
+        per_worker_threads = max(1, (os.cpu_count() or 1) // self.world_size) if device == "cpu" else None
+        resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
+        ray.get(self.pg.ready())
+        actor_cls = ray.remote(Worker)
+        self.workers = [
+            actor_cls.options(
+                **resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+            ).remote(run, i, self.world_size, device, per_worker_threads)
+            for i in range(self.world_size)
+        ]
+        addr, port = self._get([self.workers[0].node_address.remote()])[0]
+        self.call("setup", addr, port)
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        """The same call on every worker (collectives inside stay in lockstep)."""
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def call_each(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
+        """One call per worker with its own arguments (e.g. its shard of prompts)."""
+        return self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args)])
+
+    def _get(self, refs: list) -> list[Any]:
+        import ray
+
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[done[0]] = ray.get(done[0])
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if hasattr(err, "cause") else err
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                if isinstance(cause, LorarlError):
+                    raise cause
+                raise TrainingError(f"a worker failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from err
+            except ray.exceptions.RayActorError as err:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise TrainingError(f"a worker process died: {str(err).strip().splitlines()[0]}") from err
+        return [results[r] for r in refs]
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        except Exception:  # noqa: BLE001 - a dead worker must not block teardown of the rest
+            pass
+        for w in self.workers:
+            ray.kill(w)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+        if self._owns_ray:
+            ray.shutdown()

@@ -1,0 +1,219 @@
+"""GRPO math against numbers worked out by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from lorarl.algorithms import (
+    agg_loss,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    policy_loss,
+)
+from lorarl.errors import ConfigError
+
+T = torch.tensor
+
+
+def close(actual, expected, tol=1e-6):
+    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float64),
+                          torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0), (actual, expected)
+
+
+# ---------------------------------------------------------------- masked reductions
+
+def test_masked_sum_and_mean_all_and_per_row():
+    x = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = T([[1, 1, 0], [0, 0, 0]])
+    close(masked_sum(x, mask), 3.0)
+    close(masked_mean(x, mask), 1.5)  # (1 + 2) / 2
+    close(masked_sum(x, mask, dim=-1), [3.0, 0.0])
+    close(masked_mean(x, mask, dim=-1), [1.5, 0.0])  # empty row is 0, not NaN
+    close(masked_mean(x, T([[1, 0, 1], [1, 0, 1]]), dim=0), [2.5, 0.0, 4.5])
+
+
+def test_masked_mean_ignores_nan_in_masked_positions():
+    x = T([float("nan"), 2.0, float("inf")])
+    close(masked_mean(x, T([False, True, False])), 2.0)
+
+
+# ---------------------------------------------------------------- advantages
+
+def test_grpo_advantages_interleaved_groups():
+    # group 7 -> rewards 0, 2, 4: mean 2, unbiased var (4+0+4)/2 = 4, std 2 -> -1, 0, 1
+    # group 3 -> rewards 1, 1: all equal -> 0
+    rewards = T([0.0, 1.0, 2.0, 1.0, 4.0])
+    groups = T([7, 3, 7, 3, 7])
+    close(grpo_advantages(rewards, groups, eps=0.0), [-1.0, 0.0, 0.0, 0.0, 1.0])
+    # eps in the denominator: 2 / (2 + 1e-6)
+    close(grpo_advantages(rewards, groups), [-0.9999995, 0.0, 0.0, 0.0, 0.9999995], tol=1e-7)
+
+
+def test_grpo_advantages_binary_rewards_and_no_std():
+    # rewards 1,0,1,0: mean .5, unbiased var (4 * .25) / 3 = 1/3, std .5773503 -> +-.8660254
+    rewards = T([1.0, 0.0, 1.0, 0.0])
+    groups = T([0, 0, 0, 0])
+    close(grpo_advantages(rewards, groups, eps=0.0), [0.8660254, -0.8660254, 0.8660254, -0.8660254])
+    close(grpo_advantages(rewards, groups, norm_by_std=False), [0.5, -0.5, 0.5, -0.5])
+
+
+def test_grpo_advantages_constant_and_singleton_groups_are_exactly_zero():
+    # 0.1 * 3 / 3 != 0.1 in floating point: the deviation must not become signal
+    rewards = T([0.1, 0.1, 0.1, 5.0], dtype=torch.float32)
+    adv = grpo_advantages(rewards, T([0, 0, 0, 1]))
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+    adv64 = grpo_advantages(T([0.1, 0.1, 0.1], dtype=torch.float64), T([2, 2, 2]))
+    assert adv64.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_grpo_advantages_rejects_shape_mismatch():
+    with pytest.raises(ValueError):
+        grpo_advantages(T([1.0, 2.0]), T([0, 0, 0]))
+
+
+# ---------------------------------------------------------------- log-probs / entropy
+
+def test_logprobs_from_logits_hand_values():
+    # softmax(log([1,2,3,4])) = [.1,.2,.3,.4]; uniform over 4 -> -ln 4
+    lp = torch.log(T([1.0, 2.0, 3.0, 4.0]))
+    logits = torch.stack([lp, lp, torch.zeros(4)]).unsqueeze(0)  # [1, 3, 4]
+    labels = T([[3, 0, 2]])
+    out = logprobs_from_logits(logits, labels, chunk_rows=2)  # chunk boundary inside the row
+    assert out.shape == (1, 3) and out.dtype == torch.float32
+    close(out, [[-0.9162907, -2.3025851, -1.3862944]])
+
+
+def test_logprobs_from_bf16_logits_are_float32():
+    logits = torch.zeros(2, 1, 2, dtype=torch.bfloat16)
+    out = logprobs_from_logits(logits, T([[0], [1]]))
+    assert out.dtype == torch.float32
+    close(out, [[-0.6931472], [-0.6931472]])
+
+
+def test_entropy_hand_values():
+    lp = torch.log(T([1.0, 2.0, 3.0, 4.0]))
+    logits = torch.stack([torch.zeros(4), lp, T([100.0, 0.0, 0.0, 0.0])]).unsqueeze(0)
+    # ln 4; -(.1 ln .1 + .2 ln .2 + .3 ln .3 + .4 ln .4) = 1.2798542; near one-hot -> ~0
+    close(entropy_from_logits(logits, chunk_rows=2), [[1.3862944, 1.2798542, 0.0]], tol=1e-5)
+
+
+# ---------------------------------------------------------------- KL
+
+def test_kl_penalty_kinds():
+    logp = T([-1.0, -2.0])
+    ref = T([-1.5, -1.0])
+    close(kl_penalty(logp, ref, "k1"), [0.5, -1.0])
+    close(kl_penalty(logp, ref, "k2"), [0.125, 0.5])
+    close(kl_penalty(logp, ref, "mse"), [0.125, 0.5])
+    # ref - logp = -0.5, 1.0: e^-0.5 + 0.5 - 1 = 0.1065307; e - 1 - 1 = 0.7182818
+    close(kl_penalty(logp, ref, "k3"), [0.1065307, 0.7182818])
+    close(kl_penalty(logp, ref, "low_var_kl"), [0.1065307, 0.7182818])
+
+
+def test_k3_is_clamped_and_has_finite_gradient():
+    logp = T([0.0, 0.0, 0.0], requires_grad=True)
+    ref = T([5.0, -30.0, 100.0])
+    # e^5 - 6 = 142.4 -> 10; -30 -> 19 -> 10; e^100 overflows float32 unless clamped first
+    kl = kl_penalty(logp, ref, "k3")
+    close(kl, [10.0, 10.0, 10.0])
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+
+
+def test_kl_penalty_unknown_kind_names_key():
+    with pytest.raises(ConfigError, match=r"actor\.kl_loss_type.*low_var_kl"):
+        kl_penalty(T([0.0]), T([0.0]), "k4")
+
+
+# ---------------------------------------------------------------- aggregation
+
+def test_agg_loss_modes():
+    loss = T([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [9.0, 9.0, 9.0]])
+    mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    close(agg_loss(loss, mask, "token-mean"), 2.5)  # (1+2+3+4)/4
+    close(agg_loss(loss, mask, "seq-mean-token-sum"), 5.0)  # (6 + 4) / 2 non-empty seqs
+    close(agg_loss(loss, mask, "seq-mean-token-mean"), 3.0)  # (2 + 4) / 2
+
+
+def test_agg_loss_unknown_mode_names_key():
+    with pytest.raises(ConfigError, match=r"actor\.loss_agg_mode.*token-mean"):
+        agg_loss(T([[1.0]]), T([[1]]), "sum")
+
+
+# ---------------------------------------------------------------- PPO-clip
+# old_logp = 0 and logp = ln(ratio). Seq 0: A=+1, ratios 1.5, 0.5, 1.0. Seq 1: A=-1, ratios 1.5, 0.5, 4.0.
+# Per token max(-A r, -A clip(r, .8, 1.2)):
+#   seq 0: max(-1.5,-1.2)=-1.2 (clipped) | max(-0.5,-0.8)=-0.5 | -1.0
+#   seq 1: max(1.5,1.2)=1.5 | max(0.5,0.8)=0.8 (clipped) | max(4.0,1.2)=4.0
+RATIOS = [[1.5, 0.5, 1.0], [1.5, 0.5, 4.0]]
+ADV = [1.0, -1.0]
+
+
+def _inputs(requires_grad=False):
+    logp = torch.log(T(RATIOS)).requires_grad_(requires_grad)
+    return logp, torch.zeros(2, 3), T(ADV), torch.ones(2, 3)
+
+
+def test_policy_loss_ppo_clip_hand_values_and_gradient():
+    logp, old, adv, mask = _inputs(requires_grad=True)
+    loss, m = policy_loss(logp, old, adv, mask)
+    close(loss, 0.6)  # (-1.2 - 0.5 - 1.0 + 1.5 + 0.8 + 4.0) / 6 = 3.6 / 6
+    close(m["pg_clipfrac"], 2 / 6)
+    # ppo_kl = mean(-ln r) = -(2 ln 1.5 + 2 ln .5 + ln 4) / 6 = -0.8109302 / 6
+    close(m["ppo_kl"], -0.1351550)
+    assert m["pg_clipfrac_lower"] == 0.0
+    assert all(isinstance(v, float) for v in m.values())
+    loss.backward()
+    # d/dlogp of -A r is -A r / 6 where unclipped, 0 where the clipped branch is active
+    close(logp.grad, [[0.0, -0.5 / 6, -1.0 / 6], [1.5 / 6, 0.0, 4.0 / 6]])
+
+
+def test_policy_loss_dual_clip():
+    logp, old, adv, mask = _inputs(requires_grad=True)
+    loss, m = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    close(loss, 2.6 / 6)  # the A<0, r=4 token is capped at -A*c = 3
+    close(m["pg_clipfrac_lower"], 1 / 6)
+    loss.backward()
+    assert logp.grad[1, 2].item() == 0.0
+
+
+def test_policy_loss_asymmetric_clip():
+    logp, old, adv, mask = _inputs()
+    loss, _ = policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(loss, 3.52 / 6)  # seq 0 first token becomes max(-1.5, -1.28) = -1.28
+
+
+def test_policy_loss_mask_and_agg_modes():
+    logp, old, adv, _ = _inputs()
+    mask = T([[1, 1, 1], [1, 1, 0]])  # drop the r=4 token
+    close(policy_loss(logp, old, adv, mask)[0], -0.08)  # (-2.7 + 2.3) / 5
+    close(policy_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-sum")[0], -0.2)  # (-2.7 + 2.3) / 2
+    close(policy_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")[0], 0.125)  # (-0.9 + 1.15) / 2
+
+
+def test_policy_loss_token_level_advantages_match_sequence_level():
+    logp, old, adv, mask = _inputs()
+    loss, _ = policy_loss(logp, old, adv.unsqueeze(-1).expand(2, 3), mask)
+    close(loss, 0.6)
+
+
+def test_policy_loss_rejects_dual_clip_at_or_below_one():
+    logp, old, adv, mask = _inputs()
+    with pytest.raises(ConfigError, match=r"actor\.clip_ratio_c"):
+        policy_loss(logp, old, adv, mask, clip_ratio_c=1.0)
+
+
+def test_policy_loss_on_policy_equals_minus_mean_advantage():
+    # ratio 1 everywhere: loss = -mean(A) over kept tokens = -(1 + 1 - 1) / 3
+    logp = torch.full((2, 2), -0.7)
+    loss, m = policy_loss(logp, logp.clone(), T([1.0, -1.0]), T([[1, 1], [1, 0]]).float(),
+                          loss_agg_mode="token-mean")
+    close(loss, (-(1 + 1) + 1) / 3)
+    assert m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
+    assert math.isfinite(loss.item())
