@@ -64,7 +64,7 @@ class Tracker:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
-        if "console" in self.loggers:
+        if "console" in self.loggers and any(k in CONSOLE_KEYS or k.startswith("val/") for k in metrics):
             shown = [f"{k}={_fmt(v)}" for k, v in row.items() if k in CONSOLE_KEYS or k.startswith("val/")]
             self.write(f"step {step}: " + " ".join(shown))
 

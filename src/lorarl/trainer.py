@@ -121,6 +121,10 @@ class GRPOTrainer:
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.group.call("sync")[0]
         self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
+        tqdm.write(
+            f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
+            f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
+        )
         if t.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)
         last_reward = None

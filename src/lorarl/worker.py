@@ -201,4 +201,9 @@ class Worker:
 
 def worker_env() -> dict[str, str]:
     """Environment every worker process needs before vLLM is imported."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+    }

@@ -200,9 +200,9 @@ class FSDPEngine:
             raise TrainingError(f"loss is {float(loss)} (pg {float(pg_loss)}, kl {float(kl_loss)}); stopping")
         (loss * scale).backward()
         out = {
-            "actor/pg_loss": float(pg_loss),
-            "actor/kl_loss": float(kl_loss),
-            "actor/entropy": float(entropy),
+            "actor/pg_loss": pg_loss.item(),
+            "actor/kl_loss": kl_loss.item(),
+            "actor/entropy": entropy.item(),
         }
         out.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         return out

@@ -419,18 +419,24 @@ def split_fused_lora(
 
     A is repeated for every projection packed in the fused linear; B is split by the same
     row rule as the base weight (`tp_size` matters only for linear_fc1's per-rank [g; u]).
+    Every returned tensor owns its storage: safetensors refuses tensors that share memory
+    (the rollout's tmpfs transport saves a PEFT folder), and views would pin the fused B.
     """
     if module == "linear_qkv":
         if shape is None:
             raise ValueError("linear_qkv needs the attention shape to de-interleave B")
-        q, k, v = split_qkv(lora_b, shape)
-        return {"q_proj": (lora_a, q), "k_proj": (lora_a, k), "v_proj": (lora_a, v)}
-    if module == "linear_fc1":
-        gate, up = split_gate_up(lora_b, tp_size)
-        return {"gate_proj": (lora_a, gate), "up_proj": (lora_a, up)}
-    if module in _FUSED_TO_HF:
-        return {_FUSED_TO_HF[module][0]: (lora_a, lora_b)}
-    raise ValueError(f"unknown Megatron linear {module!r}")
+        parts = dict(zip(("q_proj", "k_proj", "v_proj"), split_qkv(lora_b, shape)))
+    elif module == "linear_fc1":
+        parts = dict(zip(("gate_proj", "up_proj"), split_gate_up(lora_b, tp_size)))
+    elif module in _FUSED_TO_HF:
+        parts = {_FUSED_TO_HF[module][0]: lora_b}
+    else:
+        raise ValueError(f"unknown Megatron linear {module!r}")
+    return {p: (_own(lora_a), _own(b)) for p, b in parts.items()}
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def megatron_lora_to_peft(
@@ -460,7 +466,7 @@ def megatron_lora_to_peft(
         a, b = gather_lora_shards(module, sides["linear_in"], sides["linear_out"])
         if sub is not None:
             # Canonical sub-adapters are plain column-parallel linears over one projection.
-            pieces = {_CANONICAL_SUB[sub]: (a, b)}
+            pieces = {_CANONICAL_SUB[sub]: (_own(a), _own(b))}
         else:
             pieces = split_fused_lora(module, a, b, shape, tp_size=tp)
         for proj, (pa, pb) in pieces.items():

@@ -1,0 +1,531 @@
+"""GRPO actor on megatron-core, built through Megatron-Bridge's provider path (GPU only).
+
+One instance per rank; every method is collective over the ranks of the job (they all call it
+with the same model-parallel group data). Data parallel size is world / (TP x PP): ranks of the
+same TP/PP group must receive the same micro-batches (`dp_rank` / `dp_size` say which share).
+
+Verification status (this file cannot run on the CPU development machine):
+- Verified against the released sources (megatron-bridge 0.6.2, megatron-core 0.19.2, read from
+  the wheels): every name called here (AutoBridge.from_hf_pretrained / to_megatron_provider /
+  get_conversion_tasks / export_hf_weights / export_adapter_weights, provider.register_pre_wrap_hook /
+  finalize / provide_distributed_model, PEFT __call__ / set_params_to_save / disable_adapter,
+  get_megatron_optimizer, OptimizerConfig, DistributedDataParallelConfig, finalize_model_grads,
+  get_forward_backward_func and its keyword arguments, vocab_parallel_cross_entropy,
+  gather_from_tensor_model_parallel_region, LoRAMerge.merge) and their keyword arguments.
+- Measured on an H200 by others (ENVIRONMENT.md): provider + local spec + LoRA pre-wrap hook +
+  export_adapter_weights / export_hf_weights(merge_adapter_weights=False) at TP=1 and TP=2,
+  with wrap_with_ddp=False and plain AdamW.
+- UNVERIFIED until tests/gpu/test_megatron_gpu.py runs: Megatron DDP + distributed optimizer
+  with a LoRA-only trainable set, the forward_backward schedule driving our loss, PP > 1,
+  sequence parallel, the TE spec, and the whole mbridge path (mbridge needs TransformerEngine,
+  which the GPU machine lacks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
+from lorarl.engines.megatron.config_map import (
+    apply_provider_plan,
+    check_megatron,
+    get,
+    peft_adapter_config,
+    peft_spec,
+    provider_plan,
+    require_cuda,
+)
+from lorarl.errors import ConfigError, TrainingError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_right_padded(attention_mask: torch.Tensor) -> None:
+    """Megatron attention here is causal only (TE: no mask at all), so a row may not have
+    padding before a real token; lorarl.batch.build_batch right-pads prompt + response."""
+    m = attention_mask.bool()
+    if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):
+        raise ValueError("the Megatron engine needs right-padded rows (no padding before a real token)")
+
+
+class MegatronEngine:
+    """Policy with LoRA on megatron-core: log-probs (with and without the adapter), PPO update,
+    weight export. Same interface as lorarl.engines.fsdp.FSDPEngine."""
+
+    def __init__(self, run: Any, device: torch.device | None = None) -> None:
+        require_cuda()
+        self.run = run
+        self.model_cfg, self.actor, self.backend = run.model, run.actor, run.backend
+        self.lora = self.model_cfg.lora
+        self.path = self.model_cfg.path
+        self.dtype_name = get(self.model_cfg, "dtype", "bfloat16")
+        rollout = getattr(run, "rollout", None)
+        t = float(get(rollout, "temperature", 1.0)) if rollout is not None else 1.0
+        self.temperature = t if t > 0 else 1.0
+
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+        self.tp = int(get(self.backend, "tensor_model_parallel_size", 1))
+        self.pp = int(get(self.backend, "pipeline_model_parallel_size", 1))
+        self.sp = bool(get(self.backend, "sequence_parallel", False))
+        self.impl = get(self.backend, "transformer_impl", "local")
+        self.peft_spec = peft_spec(self.lora)
+        if self.peft_spec.widened:
+            log.warning(
+                "model.lora.type=lora fuses q/k/v and gate/up: %s also get LoRA; use model.lora.type=canonical_lora "
+                "to adapt only the listed projections",
+                ",".join(self.peft_spec.widened),
+            )
+        seed = int(get(getattr(run, "trainer", None) or {}, "seed", 1))
+        self._init_parallel(device, seed)
+        import torch.distributed as dist
+
+        check_megatron(
+            self.lora,
+            self.backend,
+            num_layers=hf_config.num_hidden_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            vocab_size=hf_config.vocab_size,
+            world_size=dist.get_world_size(),
+        )
+        from megatron.core import parallel_state
+
+        self.ps = parallel_state
+        self.model, self.peft, self.bridge = self._build()
+        self.optimizer = self._build_optimizer()
+        self._steps = 0
+        self._causal_masks: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_parallel(self, device: torch.device | None, seed: int) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
+
+        if device is not None:
+            torch.cuda.set_device(device)
+        elif not dist.is_initialized():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            # provide_distributed_model would otherwise do this itself, silently (notes §1.1).
+            dist.init_process_group("nccl")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
+            )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    def _build(self) -> tuple[list, Any, Any]:
+        from lorarl.engines.megatron.te_standin import import_megatron_bridge
+
+        mb = import_megatron_bridge(self.impl)
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        auto = mb.AutoBridge.from_hf_pretrained(self.path, trust_remote_code=False, torch_dtype=DTYPES[self.dtype_name])
+        # load_weights=True registers the HF-load hook first; ours runs after it, so LoRA wraps
+        # an already loaded model and the adapter keeps its own init (B = 0).
+        provider = auto.to_megatron_provider(load_weights=True)
+        apply_provider_plan(provider, provider_plan(self.backend, self.dtype_name))
+        peft = self.peft_spec.build()
+
+        def apply_lora(model: list) -> list:
+            model = peft(model, training=True)
+            peft.set_params_to_save(model)
+            return model
+
+        provider.register_pre_wrap_hook(apply_lora)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=bool(get(self.backend, "use_distributed_optimizer", True)),
+            check_for_nan_in_grad=True,
+        )
+        model = provider.provide_distributed_model(
+            ddp_config=ddp_config,
+            wrap_with_ddp=True,
+            bf16=self.dtype_name == "bfloat16",
+            fp16=self.dtype_name == "float16",
+        )
+        trainable = sum(p.numel() for m in model for p in m.parameters() if p.requires_grad)
+        if trainable == 0:
+            raise ConfigError(
+                f"model.lora.target_modules={list(self.lora.target_modules)} matched no Megatron linear; nothing to train"
+            )
+        if get(self.backend, "bridge", "megatron_bridge") == "mbridge":
+            bridge = self._mbridge_adapter()
+        else:
+            bridge = MegatronBridgeAdapter(auto, cpu=False)
+        return model, peft, bridge
+
+    def _mbridge_adapter(self) -> MBridgeAdapter:
+        """UNVERIFIED: mbridge export over the Megatron-Bridge-built model (TE spec only)."""
+        if get(self.lora, "type", "lora") != "lora":
+            raise ConfigError("backend.bridge=mbridge supports model.lora.type=lora only (its merged export)")
+        from mbridge import AutoBridge as MAutoBridge
+
+        # mbridge reads megatron-core's parallel state in its constructor: built after init.
+        return MBridgeAdapter(MAutoBridge.from_pretrained(self.path, trust_remote_code=False), merged_view=merged_lora_view)
+
+    def _build_optimizer(self) -> Any:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        optim = self.actor.optim
+        betas = list(get(optim, "betas", [0.9, 0.999]))
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=float(optim.lr),
+            min_lr=float(optim.lr),
+            weight_decay=float(get(optim, "weight_decay", 0.0)),
+            adam_beta1=float(betas[0]),
+            adam_beta2=float(betas[1]),
+            clip_grad=float(get(self.actor, "grad_clip", 1.0)),
+            bf16=self.dtype_name == "bfloat16",
+            fp16=self.dtype_name == "float16",
+            params_dtype=DTYPES[self.dtype_name],
+            use_distributed_optimizer=bool(get(self.backend, "use_distributed_optimizer", True)),
+        )
+        optimizer = get_megatron_optimizer(config, self.model)
+        model_config = get_model_config(self.model[0])
+        # What Megatron-Bridge's own training setup wires (training/setup.py _update_model_config_funcs).
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.grad_scale_func = optimizer.scale_loss
+        return optimizer
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def dp_rank(self) -> int:
+        """Ranks with the same dp_rank form one model replica and must get the same data."""
+        return self.ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.ps.get_data_parallel_world_size()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.ps.is_pipeline_last_stage()
+
+    # ------------------------------------------------------------------ forward
+
+    def _attention_mask(self, width: int) -> torch.Tensor | None:
+        if self.impl != "local":
+            return None  # TE attention applies the causal mask from the layer spec's mask type
+        # The local spec builds its default causal mask on "cuda"; an explicit one (True =
+        # masked) keeps it independent of the fused-softmax kernels we turn off.
+        if width not in self._causal_masks:
+            m = torch.ones(width, width, dtype=torch.bool, device="cuda").triu(1)
+            self._causal_masks[width] = m.view(1, 1, width, width)
+        return self._causal_masks[width]
+
+    def _padded(self, ids: torch.Tensor) -> torch.Tensor:
+        # Sequence parallelism splits the sequence evenly over the TP ranks.
+        multiple = self.tp if self.sp else 1
+        extra = (-ids.shape[1]) % multiple
+        return torch.nn.functional.pad(ids, (0, extra)) if extra else ids
+
+    def _token_logp(
+        self, output: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(token t+1) [b, L-1] from vocab-parallel logits [b, W, V/tp], and the entropy
+        when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+        from lorarl.algorithms import entropy_from_logits
+
+        length = input_ids.shape[1]
+        # The division always allocates: vocab_parallel_cross_entropy subtracts the row max from
+        # its input in place, which must not be the model's output.
+        logits = output[:, : length - 1].float() / temperature
+        ent = None
+        if entropy is not None:
+            with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                src = logits if entropy == "grad" else logits.detach()
+                full = gather_from_tensor_model_parallel_region(src) if self.tp > 1 else src
+                ent = entropy_from_logits(full)
+            if entropy == "grad":
+                logits = logits.clone()  # the entropy graph still needs these values
+        logp = -vocab_parallel_cross_entropy(logits, input_ids[:, 1:].contiguous())
+        return logp, ent
+
+    def _run(self, micro: list[torch.Tensor], loss_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        width = micro[0].shape[1]
+        mask = self._attention_mask(width)
+
+        def forward_step(data_iterator: Iterator[tuple[int, torch.Tensor]], model: torch.nn.Module):
+            index, ids = next(data_iterator)
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            output = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+            return output, partial(loss_fn, index)
+
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iter(list(enumerate(micro))),
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=width,
+            micro_batch_size=max(m.shape[0] for m in micro),
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pp > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group())
+        return t
+
+    @torch.no_grad()
+    def log_probs(self, batch: Any, *, reference: bool = False, temperature: float | None = None) -> torch.Tensor:
+        """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.batch.TrainBatch.
+
+        reference=True is the reference policy: the same model under PEFT's disable_adapter
+        context, no second copy of the weights.
+        """
+        temp = self.temperature if temperature is None else temperature
+        check_right_padded(batch.attention_mask)
+        size = int(get(self.actor, "ppo_micro_batch_size_per_gpu", 4))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        ids = self._padded(batch.input_ids.to(dev))
+        micro = list(torch.split(ids, size))
+        length = batch.input_ids.shape[1]
+
+        def loss_fn(index: int, output: torch.Tensor):
+            logp, _ = self._token_logp(output, micro[index][:, :length], temp, None)
+            return torch.zeros((), device=logp.device), {"logp": logp}
+
+        for m in self.model:
+            m.eval()
+        ctx = self.peft.disable_adapter(self.model) if reference else contextlib.nullcontext()
+        with ctx:
+            outs = self._run(micro, loss_fn, forward_only=True)
+        result = torch.zeros(ids.shape[0], length - 1, dtype=torch.float32, device=dev)
+        if self.is_last_stage:
+            result.copy_(torch.cat([o["logp"] for o in outs], dim=0))
+        return self._broadcast_from_last_stage(result).cpu()
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        with self.peft.disable_adapter(self.model):
+            yield
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, batch: Any, step: int) -> dict[str, float]:
+        """PPO-clip epochs over shuffled mini-batches, one optimizer step each (as FSDPEngine).
+
+        `batch` is this data-parallel replica's share (see dp_rank); every rank of the replica
+        passes the same one.
+        """
+        a = self.actor
+        check_right_padded(batch.attention_mask)
+        n_rollout = int(get(getattr(self.run, "rollout", None) or {}, "n", 1))
+        mini = max(1, int(get(a, "ppo_mini_batch_size", len(batch))) * n_rollout // self.dp_size)
+        gen = torch.Generator().manual_seed(int(get(getattr(self.run, "trainer", None) or {}, "seed", 1)) * 100003 + step)
+        sums: dict[str, list[float]] = {}
+        for _ in range(int(get(a, "ppo_epochs", 1))):
+            order = torch.randperm(len(batch), generator=gen)
+            shuffled = batch.select(order)
+            for start in range(0, len(batch), mini):
+                for k, v in self._train_mini_batch(shuffled.select(slice(start, start + mini)), step).items():
+                    sums.setdefault(k, []).append(v)
+        result = {k: sum(v) / len(v) for k, v in sums.items()}
+        result["actor/lr"] = self._lr()
+        self._steps += 1
+        return result
+
+    def _lr(self) -> float:
+        lr = float(self.actor.optim.lr)
+        warmup = int(get(self.actor.optim, "warmup_steps", 0))
+        return lr * min(1.0, (self._steps + 1) / warmup) if warmup > 0 else lr
+
+    def _train_mini_batch(self, mb_all: Any, step: int) -> dict[str, float]:
+        from lorarl.algorithms import agg_loss, kl_penalty, policy_loss
+
+        a = self.actor
+        use_kl = bool(get(a, "use_kl_loss", False))
+        ent_coef = float(get(a, "entropy_coeff", 0.0))
+        clip = float(get(a, "clip_ratio", 0.2))
+        low, high = get(a, "clip_ratio_low", None), get(a, "clip_ratio_high", None)
+        clip_low = clip if low is None else float(low)
+        clip_high = clip if high is None else float(high)
+        mode = get(a, "loss_agg_mode", "token-mean")
+        if use_kl and mb_all.ref_logp is None:
+            raise ConfigError("actor.use_kl_loss=true but the batch has no ref_logp")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        size = int(get(a, "ppo_micro_batch_size_per_gpu", 4))
+        parts = [p.to(dev) for p in mb_all.chunks(size)]
+        micro = [self._padded(p.input_ids) for p in parts]
+        total = len(mb_all)
+        # Megatron divides each micro-batch loss by their count; FSDPEngine weighs each by its
+        # share of the mini-batch. This factor makes the two identical for uneven splits too.
+        weights = [len(p) * len(parts) / total for p in parts]
+        # The entropy metric needs the full vocabulary; with TP that is a gather, so it is only
+        # paid for when the entropy is part of the loss.
+        entropy_mode = "grad" if ent_coef != 0.0 else ("metric" if self.tp == 1 else None)
+
+        def loss_fn(index: int, output: torch.Tensor):
+            p = parts[index]
+            logp, ent = self._token_logp(output, p.input_ids, self.temperature, entropy_mode)
+            mask = p.response_mask[:, : logp.shape[1]]
+            pg_loss, pg_metrics = policy_loss(
+                logp,
+                p.old_logp[:, : logp.shape[1]],
+                p.advantages,
+                mask,
+                clip_ratio_low=clip_low,
+                clip_ratio_high=clip_high,
+                clip_ratio_c=get(a, "clip_ratio_c", None),
+                loss_agg_mode=mode,
+            )
+            loss = pg_loss
+            metrics = {f"actor/{k}": float(v) for k, v in pg_metrics.items()}
+            metrics["actor/pg_loss"] = float(pg_loss.detach())
+            if ent is not None:
+                entropy = agg_loss(ent, mask, mode)
+                loss = loss - ent_coef * entropy
+                metrics["actor/entropy"] = float(entropy.detach())
+            if use_kl:
+                kl = agg_loss(kl_penalty(logp, p.ref_logp[:, : logp.shape[1]], get(a, "kl_loss_type", "low_var_kl")), mask, mode)
+                loss = loss + float(get(a, "kl_loss_coef", 0.001)) * kl
+                metrics["actor/kl_loss"] = float(kl.detach())
+            if not torch.isfinite(loss):
+                raise TrainingError(f"step {step}: loss is {float(loss)}; stopping")
+            return loss * weights[index], metrics
+
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = self._run(micro, loss_fn, forward_only=False)
+        lr = self._lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        if not ok or not math.isfinite(grad_norm):
+            raise TrainingError(f"step {step}: grad norm is {grad_norm}; the update was skipped, stopping")
+        metrics: dict[str, float] = {}
+        if self.is_last_stage and outs:
+            for key in outs[0]:
+                metrics[key] = sum(o[key] for o in outs) / len(outs)
+        if self.pp > 1:
+            import torch.distributed as dist
+
+            box = [metrics]
+            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group())
+            metrics = box[0]
+        metrics["actor/grad_norm"] = grad_norm
+        return metrics
+
+    # ------------------------------------------------------------------ export
+
+    def adapter_config(self) -> dict:
+        cfg = peft_adapter_config(self.lora)
+        cfg["base_model_name_or_path"] = self.path
+        return cfg
+
+    def export(self, kind: Any, method: str = "bridge") -> tuple[Any, float]:
+        """(WeightPayload of `kind`, gather seconds); collective, all ranks get full tensors.
+
+        ADAPTER: export_adapter_weights, PEFT names. BASE: the pure base
+        (merge_adapter_weights=False), or merged W + BA when model.lora.merge=true (then vLLM
+        runs without LoRA). `method` exists for FSDPEngine's signature; the bridge decides.
+        """
+        from lorarl.sync import PayloadKind, WeightPayload
+
+        t0 = time.perf_counter()
+        if kind is PayloadKind.ADAPTER:
+            tensors = dict(self.bridge.export_adapter(self.model))
+            return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
+        if kind is PayloadKind.BASE:
+            stream = self.bridge.export_merged(self.model) if self.lora.merge else self.bridge.export_base(self.model)
+            return WeightPayload.base(stream), time.perf_counter() - t0
+        raise ValueError(f"unknown payload kind {kind!r}")
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Full LoRA tensors under PEFT names, on CPU (collective)."""
+        return {k: v.cpu() for k, v in self.bridge.export_adapter(self.model)} if self.bridge.supports_adapter else {}
+
+    def lora_shards(self) -> dict[str, list[torch.Tensor]]:
+        """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP).
+
+        For cross-checking the bridge's adapter export against names.megatron_lora_to_peft.
+        """
+        import torch.distributed as dist
+
+        group = self.ps.get_tensor_model_parallel_group()
+        out: dict[str, list[torch.Tensor]] = {}
+        for chunk in self.model:
+            for name, p in chunk.named_parameters():
+                if ".adapter." not in name:
+                    continue
+                local = p.detach().contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(parts, local, group=group)
+                out[name] = parts
+        return out
+
+
+@contextlib.contextmanager
+def merged_lora_view(model: list):
+    """UNVERIFIED: LoRA merged into its base weights and the wrappers taken out of the tree.
+
+    For exporters that walk named_parameters() and know only plain Megatron names (mbridge).
+    Each base weight is backed up to CPU and restored on exit, so the bf16 base does not drift
+    from repeated merge/unmerge. Uses Megatron-Bridge's own LoRAMerge for the TP-aware product.
+    """
+    from megatron.bridge.peft.lora_merge import LoRAMerge
+    from megatron.core import parallel_state
+
+    merger = LoRAMerge()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module, torch.Tensor]] = []
+    try:
+        for chunk in model:
+            for parent in list(chunk.modules()):
+                for child_name, child in list(parent.named_children()):
+                    adapter = getattr(child, "adapter", None)
+                    base = getattr(child, "to_wrap", None)
+                    if base is None or adapter is None or not hasattr(adapter, "linear_in"):
+                        continue
+                    backup = base.weight.detach().to("cpu", copy=True)
+                    with torch.no_grad():
+                        merged = merger.merge(
+                            base.weight.float(),
+                            adapter.linear_out.weight.float(),
+                            adapter.linear_in.weight.float(),
+                            adapter.alpha,
+                            adapter.dim,
+                            tp_group=tp_group,
+                        )
+                        base.weight.copy_(merged.to(base.weight.dtype))
+                    setattr(parent, child_name, base)
+                    swapped.append((parent, child_name, child, base, backup))
+        yield model
+    finally:
+        for parent, child_name, wrapper, base, backup in reversed(swapped):
+            with torch.no_grad():
+                base.weight.copy_(backup.to(base.weight.device))
+            setattr(parent, child_name, wrapper)
+
+
+__all__ = ["MegatronEngine", "merged_lora_view", "check_right_padded"]

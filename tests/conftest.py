@@ -1,0 +1,35 @@
+"""Shared fixtures: a real tiny Qwen2 built by the project's own builder, once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Engines in tests run in-process; set before anything imports vLLM.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@pytest.fixture(scope="session")
+def lorarl_cache(tmp_path_factory) -> Path:
+    """A session-private LORARL_CACHE, so tests never read or write ~/.cache/lorarl."""
+    root = tmp_path_factory.mktemp("lorarl-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LORARL_CACHE", str(root))
+    yield root
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(lorarl_cache: Path) -> Path:
+    from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
+
+    return ensure_tiny_model(default_tiny_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)

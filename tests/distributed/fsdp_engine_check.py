@@ -1,0 +1,116 @@
+"""Run under torchrun (gloo): checks of the FSDP2 engine that need real shards.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/distributed/fsdp_engine_check.py MODEL OUT
+
+Sets every LoRA weight to a seeded random value (same full tensors at any world size), then
+writes to OUT (rank 0): the adapter gathered three ways, the base stream, the merged
+stream, reference/policy log-probs of a fixed batch, and the LoRA weights after one update.
+The pytest side compares these against HF + PEFT on one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lorarl.batch import build_batch
+from lorarl.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    FSDPBackendConfig,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from lorarl.engines.fsdp import FSDPEngine
+from lorarl.sync import PayloadKind
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
+
+
+def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(path=model_path, dtype="float32", lora=LoraConfig(rank=8, alpha=16, merge=merge)),
+        data=DataConfig(train_files=["unused"], train_batch_size=2),
+        rollout=RolloutConfig(n=2, temperature=1.0),
+        actor=ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, use_kl_loss=True),
+        algorithm=AlgorithmConfig(),
+        trainer=TrainerConfig(n_gpus_per_node=world, device="cpu"),
+        backend=FSDPBackendConfig(),
+    )
+
+
+def randomize_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    """Seeded full LoRA tensors, scattered into the shards; returns the full tensors by param name."""
+    full = {}
+    with torch.no_grad():
+        for i, (name, p) in enumerate(engine.model.named_parameters()):
+            if not p.requires_grad:
+                continue
+            g = torch.Generator().manual_seed(1000 + i)
+            value = torch.randn(p.shape, generator=g) * 0.05
+            full[name] = value
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(value)
+    return full
+
+
+def main(model_path: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out_dir = Path(out)
+    engine = FSDPEngine(make_run(model_path, world), torch.device("cpu"))
+    randomize_lora(engine)
+
+    adapters, timings = {}, {}
+    for method in ("bucketed", "layered", "per_param"):
+        payload, seconds = engine.export(PayloadKind.ADAPTER, method=method)
+        assert payload.kind is PayloadKind.ADAPTER
+        adapters[method] = dict(payload.tensors)
+        timings[method] = seconds
+    base_payload, _ = engine.export(PayloadKind.BASE)
+    base = dict(base_payload.tensors)
+    adapter_config = engine.adapter_config()
+
+    batch = build_batch(PROMPTS, RESPONSES, pad_id=0, advantages=[1.0, -1.0])
+    policy = engine.log_probs(batch)
+    reference = engine.log_probs(batch, reference=True)
+    batch.old_logp, batch.ref_logp = policy, reference
+    metrics = engine.update(batch, step=1)
+    after, _ = engine.export(PayloadKind.ADAPTER)
+    after = dict(after.tensors)
+
+    merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
+    randomize_lora(merged_engine)
+    merged_payload, _ = merged_engine.export(PayloadKind.BASE)
+    merged = dict(merged_payload.tensors)
+
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for method, tensors in adapters.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / f"adapter_{method}.safetensors"))
+        save_file({k: v.contiguous() for k, v in after.items()}, str(out_dir / "adapter_after_update.safetensors"))
+        save_file({k: v.contiguous() for k, v in base.items()}, str(out_dir / "base.safetensors"))
+        save_file({k: v.contiguous() for k, v in merged.items()}, str(out_dir / "merged.safetensors"))
+        save_file({"policy": policy.contiguous(), "reference": reference.contiguous(), "mask": batch.response_mask}, str(out_dir / "logprobs.safetensors"))
+        (out_dir / "result.json").write_text(
+            json.dumps({"world": world, "metrics": metrics, "timings": timings, "adapter_config": adapter_config})
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,256 @@
+"""Megatron engine on real GPUs: TP=1 and TP=2, checked against HF + PEFT (issue 4).
+
+Run on the accelerator machine (megatron-core 0.19.2 + megatron-bridge 0.6.2 installed;
+TransformerEngine absent, so `transformer_impl=local` goes through the import-only stand-in
+in lorarl.engines.megatron.te_standin):
+
+    pytest -m gpu tests/gpu/test_megatron_gpu.py -s
+    LORARL_GPU_LOG_DIR=tests/gpu_logs pytest -m gpu tests/gpu/test_megatron_gpu.py -s   # keep JSON summaries
+
+Each case builds a random-init HF directory with Qwen2.5-0.5B's widths (hidden 896, 14 heads,
+2 KV heads, FFN 4864, vocab 151936; LORARL_GPU_LAYERS layers, default 4, 24 = the real depth),
+launches `torchrun --nproc_per_node=TP` on this file, which builds MegatronEngine (provider
+path, LoRA pre-wrap hook, DDP + distributed optimizer), trains 3 PPO steps, and writes the
+exports and log-probs. The pytest side then checks:
+- base export (merge_adapter_weights=False, `.base_layer` stripped) == the HF files, exactly;
+- before training (B = 0) policy log-probs == reference log-probs, exactly;
+- the adapter export, saved as a PEFT folder and loaded with PeftModel.from_pretrained,
+  gives HF log-probs within TOL of the Megatron policy (TOL per dtype below), while the
+  adapter moves log-probs by more than 3x that difference (so the check can fail);
+- reference log-probs (PEFT disable_adapter in Megatron) are within TOL of HF base;
+- our own split of the raw Megatron LoRA shards == the bridge's adapter export, exactly;
+- merged export == PEFT merge_and_unload weights (within merge TOL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+LAYERS = int(os.environ.get("LORARL_GPU_LAYERS", "4"))
+# |logp_megatron - logp_hf| allowed, max over tokens. fp32: both sides are fp32 math with
+# different kernels; bf16: ENVIRONMENT.md saw 0.031 logit difference at 4 layers.
+TOL = {"float32": 2e-3, "bfloat16": 0.15}
+MERGE_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+CASES = [(1, "float32"), (2, "float32"), (2, "bfloat16")]
+RANK, ALPHA = 16, 32
+PROMPT_LEN, RESPONSE_LEN, N_SEQ = 16, 24, 8
+CHECKED_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun side
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_config(hf_dir: str, tp: int, dtype: str):
+    from lorarl.config import (
+        ActorConfig,
+        AlgorithmConfig,
+        DataConfig,
+        LoraConfig,
+        MegatronBackendConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        RunConfig,
+        TrainerConfig,
+    )
+
+    return RunConfig(
+        model=ModelConfig(path=hf_dir, dtype=dtype, lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], init_A="kaiming")),
+        data=DataConfig(train_files=["unused"], train_batch_size=N_SEQ),
+        rollout=RolloutConfig(n=1, temperature=1.0),
+        actor=ActorConfig(
+            optim=OptimConfig(lr=5e-3), ppo_mini_batch_size=N_SEQ, ppo_micro_batch_size_per_gpu=4,
+            use_kl_loss=True, kl_loss_type="low_var_kl", grad_clip=1.0,
+        ),  # fmt: skip
+        algorithm=AlgorithmConfig(),
+        trainer=TrainerConfig(n_gpus_per_node=tp, device="cuda", seed=7),
+        backend=MegatronBackendConfig(tensor_model_parallel_size=tp, transformer_impl="local", bridge="megatron_bridge"),
+    )
+
+
+def worker(hf_dir: str, out_dir: str, tp: int, dtype: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from lorarl.batch import build_batch
+    from lorarl.engines.megatron.engine import MegatronEngine
+    from lorarl.engines.megatron.names import AttentionShape, megatron_lora_to_peft
+    from lorarl.sync import PayloadKind
+
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    engine = MegatronEngine(_run_config(hf_dir, tp, dtype))
+    rank = dist.get_rank()
+    result: dict = {"tp": tp, "dtype": dtype, "layers": LAYERS, "build_s": time.perf_counter() - t0}
+
+    # base export == the HF files (pure base, names normalised)
+    t = time.perf_counter()
+    base = dict(engine.bridge.export_base(engine.model))
+    result["export_base_s"] = time.perf_counter() - t
+    hf = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+    result["base_names_equal"] = set(base) == set(hf)
+    result["base_max_diff"] = max(float((base[k].float().cpu() - hf[k].float()).abs().max()) for k in hf if k in base)
+
+    g = torch.Generator().manual_seed(123)
+    prompts = [torch.randint(10, 1000, (PROMPT_LEN - i % 3,), generator=g).tolist() for i in range(N_SEQ)]
+    responses = [torch.randint(10, 1000, (RESPONSE_LEN - i % 5,), generator=g).tolist() for i in range(N_SEQ)]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(N_SEQ)]
+    batch = build_batch(prompts, responses, pad_id=0, advantages=advantages)
+    policy0 = engine.log_probs(batch)
+    reference0 = engine.log_probs(batch, reference=True)
+    mask = batch.response_mask.bool()
+    result["initial_policy_vs_reference_max"] = float((policy0 - reference0).abs()[mask].max())
+
+    metrics = []
+    for step in range(3):
+        batch.old_logp = engine.log_probs(batch)
+        batch.ref_logp = engine.log_probs(batch, reference=True)
+        t = time.perf_counter()
+        m = engine.update(batch, step)
+        m["update_s"] = time.perf_counter() - t
+        metrics.append(m)
+    result["metrics"] = metrics
+    reference1 = engine.log_probs(batch, reference=True)
+    result["reference_drift_max"] = float((reference1 - reference0).abs()[mask].max())
+
+    probe = build_batch([list(range(100, 130))], [list(range(500, 534))], pad_id=0)
+    probe_policy = engine.log_probs(probe)
+    probe_reference = engine.log_probs(probe, reference=True)
+
+    t = time.perf_counter()
+    try:
+        payload, _ = engine.export(PayloadKind.ADAPTER)
+        assert payload.kind is PayloadKind.ADAPTER
+        adapter = dict(payload.tensors)
+        result["payload_validated"] = True
+    except ModuleNotFoundError as e:  # WeightPayload checks names with vLLM's parser
+        if "vllm" not in str(e):
+            raise
+        adapter = dict(engine.bridge.export_adapter(engine.model))
+        result["payload_validated"] = "skipped: vllm not installed"
+    result["export_adapter_s"] = time.perf_counter() - t
+    result["adapter_tensors"] = len(adapter)
+    result["adapter_bytes"] = sum(v.numel() * v.element_size() for v in adapter.values())
+
+    # our split of the raw shards vs the bridge's export
+    shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
+    ours = megatron_lora_to_peft(engine.lora_shards(), shape)
+    result["own_split_names_equal"] = set(ours) == set(adapter)
+    result["own_split_max_diff"] = max(float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter)
+
+    merged = dict(engine.bridge.export_merged(engine.model))
+    merged_subset = {k: v for k, v in merged.items() if any(f"layers.0.{w}.weight" in k or f"layers.{LAYERS - 1}.{w}.weight" in k for w in CHECKED_WEIGHTS)}
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        folder = out / "adapter"
+        folder.mkdir(exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps(engine.adapter_config()))
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in merged_subset.items()}, str(out / "merged_subset.safetensors"))
+        save_file(
+            {"ids": probe.input_ids, "mask": probe.response_mask, "policy": probe_policy, "reference": probe_reference},
+            str(out / "probe.safetensors"),
+        )
+        (out / "result.json").write_text(json.dumps(result, indent=1, default=float))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest side
+# ---------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("qwen2_5_0_5b_shaped")
+    cfg = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=LAYERS,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    # float32 files: both dtype cases load from them (bf16 runs cast on load)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(d), safe_serialization=True)
+    return d
+
+
+def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(ids.cuda()).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].cuda().unsqueeze(-1)).squeeze(-1).cpu()
+
+
+@pytest.mark.parametrize("tp, dtype", CASES, ids=[f"tp{t}-{d}" for t, d in CASES])
+def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, dtype):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}", __file__, "--worker", str(hf_dir), str(out), str(tp), dtype]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    result = json.loads((out / "result.json").read_text())
+    result["torchrun_s"] = time.perf_counter() - t0
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    base_model = Qwen2ForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch_dtype).cuda().eval()
+    probe = load_file(str(out / "probe.safetensors"))
+    mask = probe["mask"].bool()
+    hf_base = _hf_logp(base_model, probe["ids"])
+    peft_model = PeftModel.from_pretrained(base_model, str(out / "adapter")).eval()
+    hf_lora = _hf_logp(peft_model, probe["ids"])
+    diff_policy = (hf_lora - probe["policy"]).abs()[mask]
+    diff_reference = (hf_base - probe["reference"]).abs()[mask]
+    effect = (hf_lora - hf_base).abs()[mask]
+    merged_ref = {k: v for k, v in peft_model.merge_and_unload().state_dict().items()}
+    merged = load_file(str(out / "merged_subset.safetensors"))
+    merge_diff = max(float((merged[k].float() - merged_ref[k].float().cpu()).abs().max() / merged_ref[k].float().abs().max()) for k in merged)
+    result.update(
+        policy_vs_peft_max=float(diff_policy.max()), policy_vs_peft_mean=float(diff_policy.mean()),
+        reference_vs_hf_base_max=float(diff_reference.max()), adapter_effect_mean=float(effect.mean()),
+        merged_vs_peft_rel_max=merge_diff, tolerance=TOL[dtype],
+    )  # fmt: skip
+    print(json.dumps(result, indent=1, default=float))
+    log_dir = os.environ.get("LORARL_GPU_LOG_DIR")
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / f"megatron_tp{tp}_{dtype}.json").write_text(json.dumps(result, indent=1, default=float))
+
+    assert result["base_names_equal"] and result["base_max_diff"] == 0.0
+    assert result["initial_policy_vs_reference_max"] == 0.0
+    assert result["reference_drift_max"] <= 1e-6 if dtype == "float32" else result["reference_drift_max"] <= TOL[dtype]
+    assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in result["metrics"])  # finite, not NaN
+    assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
+    assert result["adapter_tensors"] == 14 * LAYERS
+    assert diff_policy.max() <= TOL[dtype], result
+    assert diff_reference.max() <= TOL[dtype], result
+    assert effect.mean() > 3 * diff_policy.mean(), f"adapter too weak to tell apart from numeric noise: {result}"
+    assert merge_diff <= MERGE_TOL[dtype], result
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])

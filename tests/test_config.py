@@ -1,0 +1,189 @@
+"""Every config group option composes and validates; mistakes fail with the key's name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+import lorarl.config  # noqa: F401  (registers schemas)
+from lorarl.config import MISSING_BACKEND, FSDPBackendConfig, MegatronBackendConfig, to_run_config
+from lorarl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture
+def hydra_compose():
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield compose_job
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+
+
+def compose_job(overrides: list[str]):
+    """The job config as @hydra.main sees it (`${hydra:...}` resolvable), without the hydra node."""
+    cfg = compose("grpo", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def resolved(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("backend", options("backend"))
+@pytest.mark.parametrize("model", options("model"))
+def test_every_backend_and_model_composes(hydra_compose, backend, model):
+    cfg = hydra_compose([f"+backend={backend}", f"model={model}"])
+    assert resolved(cfg)["model"]["path"]
+    run = to_run_config(cfg)
+    assert run.backend.strategy in ("fsdp2", "megatron")
+    assert isinstance(run.backend, FSDPBackendConfig if backend == "fsdp" else MegatronBackendConfig)
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in ("data", "rollout", "algorithm") for o in options(g)],
+)
+def test_every_group_option_composes(hydra_compose, group, option):
+    run = to_run_config(hydra_compose(["+backend=fsdp", f"{group}={option}"]))
+    assert run.rollout.n >= 2
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_preset_composes(hydra_compose, experiment):
+    run = to_run_config(hydra_compose([f"+experiment={experiment}"]))
+    assert run.model.lora.rank > 0
+
+
+def test_every_yaml_opens_with_a_runbook_comment():
+    for path in CONF.rglob("*.yaml"):
+        head = path.read_text().splitlines()[:3]
+        assert head and head[0].startswith("#"), f"{path} must open with a comment saying what it is for"
+        text = path.read_text()
+        assert "Launch" in text or path.parent.name == "hydra" or "Used by" in text, f"{path}: say how to launch it"
+
+
+def test_yaml_keys_match_schemas(hydra_compose):
+    """A key in a YAML file that is missing from the schema, or the reverse, fails here."""
+    cfg = hydra_compose(["+backend=fsdp"])
+    keys = set(resolved(cfg).keys())
+    assert keys == {"model", "data", "rollout", "actor", "algorithm", "trainer", "backend"}
+
+
+def test_user_facing_key_spellings(hydra_compose):
+    cfg = resolved(hydra_compose(["+backend=fsdp"]))
+    spelled = {
+        "model": ["path", "lora"],
+        "data": ["train_files", "val_files", "train_batch_size", "max_prompt_length", "max_response_length",
+                 "filter_overlong_prompts", "truncation", "shuffle"],
+        "rollout": ["n", "temperature", "top_p", "gpu_memory_utilization", "tensor_model_parallel_size",
+                    "load_format", "layered_summon", "enforce_eager"],
+        "actor": ["optim", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio",
+                  "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "grad_clip"],
+        "algorithm": ["adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward"],
+        "trainer": ["total_epochs", "total_steps", "save_freq", "test_freq", "val_before_train", "logger",
+                    "project_name", "experiment_name", "nnodes", "n_gpus_per_node", "device", "seed"],
+    }
+    for group, keys in spelled.items():
+        for key in keys:
+            assert key in cfg[group], f"{group}.{key}"
+    assert set(cfg["model"]["lora"]) >= {"rank", "alpha", "target_modules", "dropout"}
+    assert "lr" in cfg["actor"]["optim"]
+
+
+def test_typo_in_key_names_the_key(hydra_compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        hydra_compose(["+backend=fsdp", "model.lora.rnak=8"])
+    assert "rnak" in str(err.value.__cause__ or err.value)
+
+
+def test_wrong_type_names_the_key(hydra_compose):
+    with pytest.raises(ConfigCompositionException) as err:
+        hydra_compose(["+backend=fsdp", "model.lora.rank=eight"])
+    text = str(err.value.__cause__ or err.value)
+    assert "rank" in text
+
+
+def test_backend_keys_are_typed(hydra_compose):
+    with pytest.raises(ConfigCompositionException):
+        hydra_compose(["+backend=fsdp", "backend.tensor_model_parallel_size=2"])
+    run = to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2", "model.lora.rank=16"]))
+    assert run.backend.tensor_model_parallel_size == 2
+
+
+def test_missing_backend_is_one_line_naming_both(hydra_compose):
+    with pytest.raises(ConfigError) as err:
+        to_run_config(hydra_compose([]))
+    assert "+backend=fsdp" in str(err.value) and "+backend=megatron" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.lora.rank=0"], "model.lora.rank"),
+        (["model.lora.rank=1024"], "model.lora.rank"),
+        (["rollout.n=1"], "rollout.n"),
+        (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "data.train_batch_size"),
+        (["actor.ppo_micro_batch_size_per_gpu=5"], "actor.ppo_micro_batch_size_per_gpu"),
+        (["rollout.layered_summon=true", "rollout.load_format=dummy"], "rollout.load_format"),
+        (["model.lora.target_modules=[lm_head]"], "model.lora.target_modules"),
+        (["model.lora.target_modules=[q_proj,embed_tokens]"], "model.lora.target_modules"),
+        (["actor.kl_loss_type=k9"], "actor.kl_loss_type"),
+        (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
+        (["trainer.n_gpus_per_node=3"], "divide"),
+        (["rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.tensor_model_parallel_size"),
+        (["trainer.logger=[console,mlflow]"], "trainer.logger"),
+        (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
+    ],
+)
+def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        to_run_config(hydra_compose(["+backend=fsdp", *overrides]))
+    msg = str(err.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_megatron_checks(hydra_compose):
+    with pytest.raises(ConfigError, match="backend.tensor_model_parallel_size"):
+        to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "model.lora.rank=15"]))
+    with pytest.raises(ConfigError, match="mbridge"):
+        to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
+    run = to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
+    assert run.model.lora.merge
+
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes.grpo", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_prints_composed_config():
+    out = run_cli("--cfg", "job", "+backend=fsdp")
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.backend.strategy == "fsdp2" and cfg.model.lora.rank == 16
+
+
+def test_cli_without_backend_fails_with_one_line(tmp_path):
+    out = run_cli(f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert "+backend=fsdp" in last and "+backend=megatron" in last
+    assert "Traceback" not in out.stderr

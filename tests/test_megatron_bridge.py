@@ -1,0 +1,216 @@
+"""The bridge adapters only ask each real bridge class for methods it defines.
+
+Neither Megatron-Bridge (Python 3.12 + TransformerEngine) nor a usable mbridge imports on this
+machine, so the real classes are read from the released wheels' source
+(tests/megatron_source.py): method names and signatures of megatron-bridge 0.6.2's
+`AutoBridge` and of mbridge 0.15.1's Qwen2 bridge (the class `mbridge.AutoBridge.from_pretrained`
+returns for model_type qwen2), inheritance included. The dispatch tests hand the adapters an
+object built from that list: it has exactly the real methods, binds every call against the
+real signature, and answers with real tensors. Calling a method the real class lacks is an
+AttributeError there, which is how the seed bug
+(`'AutoBridge' object has no attribute 'export_weights'`) looked.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lorarl.engines.megatron import bridge as B
+from lorarl.errors import ConfigError
+from tests.megatron_source import Api, Sources, sources_or_skip, spec_object
+
+
+@pytest.fixture(scope="module")
+def src(request) -> Sources:
+    return sources_or_skip(request)
+
+
+@pytest.fixture(scope="module")
+def mb_api(src) -> Api:
+    return src.api(src.mb / "models/conversion/auto_bridge.py", "AutoBridge")
+
+
+@pytest.fixture(scope="module")
+def mbridge_api(src) -> Api:
+    path = src.mbr / "models/qwen2.py"
+    tree = ast.parse(path.read_text())
+    # mbridge.AutoBridge.from_config returns _MODEL_REGISTRY[hf_config.model_type](...):
+    # the class registered for "qwen2" is the object the adapter wraps.
+    (cls,) = [
+        n for n in tree.body
+        if isinstance(n, ast.ClassDef)
+        and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "register_model" and ast.literal_eval(d.args[0]) == "qwen2" for d in n.decorator_list)
+    ]  # fmt: skip
+    return src.api(path, cls.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the method sets against the real classes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_megatron_bridge_defines_every_method_we_call(mb_api):
+    wanted = B.REQUIRED_METHODS["megatron_bridge"] | B.BUILD_METHODS["megatron_bridge"]
+    assert wanted <= set(mb_api.methods), sorted(wanted - set(mb_api.methods))
+    assert mb_api.kinds["from_hf_pretrained"] == "classmethod"
+    # the seed bug: mbridge's method name does not exist on Megatron-Bridge's AutoBridge
+    assert "export_weights" not in mb_api.methods
+
+
+def test_mbridge_defines_every_method_we_call(src, mbridge_api):
+    assert B.REQUIRED_METHODS["mbridge"] <= set(mbridge_api.methods)
+    assert not {"export_hf_weights", "export_adapter_weights", "get_conversion_tasks"} & set(mbridge_api.methods)
+    auto = src.api(src.mbr / "core/auto_bridge.py", "AutoBridge")
+    assert B.BUILD_METHODS["mbridge"] <= set(auto.methods)
+    assert auto.kinds["from_pretrained"] == "classmethod"
+
+
+def test_keyword_arguments_exist_in_real_signatures(mb_api, mbridge_api):
+    mb_api.methods["export_hf_weights"].bind([], cpu=False, show_progress=False, conversion_tasks=[], merge_adapter_weights=False)
+    mb_api.methods["export_adapter_weights"].bind([], cpu=False, show_progress=False)
+    mb_api.methods["get_conversion_tasks"].bind([])
+    mbridge_api.methods["export_weights"].bind([])
+    # kwargs used elsewhere: weight_dtype cannot be combined with cached tasks (the bridge
+    # raises), and 0.6.2 has no expand_shared_outer (a later version's argument).
+    with pytest.raises(TypeError):
+        mb_api.methods["export_adapter_weights"].bind([], expand_shared_outer=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch with objects that have exactly the real methods
+# ---------------------------------------------------------------------------------------------
+
+H, R = 8, 2
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Live:
+    """Stands for model parameters the bridge reads; exports may alias them."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.a = {p: torch.randn(R, H, generator=g) for p in PROJ}
+        self.b = {p: torch.randn(H, R, generator=g) for p in PROJ}
+        self.w = {p: torch.randn(H, H, generator=g) for p in PROJ}
+        self.norm = torch.randn(H, generator=g)
+
+
+def _mb_impls(live: Live, tasks: list) -> dict:
+    def adapter(bound):
+        # As Megatron-Bridge yields them: HF module names without the PEFT prefix, the fused A
+        # emitted once per projection as the very same tensor (peft_bridge.py).
+        shared_qkv, shared_fc1 = live.a["q_proj"], live.a["gate_proj"]
+        for p in PROJ:
+            a = shared_qkv if p in ("q_proj", "k_proj", "v_proj") else shared_fc1 if p in ("gate_proj", "up_proj") else live.a[p]
+            parent = "self_attn" if p in PROJ[:4] else "mlp"
+            yield f"model.layers.0.{parent}.{p}.lora_A.weight", a
+            yield f"model.layers.0.{parent}.{p}.lora_B.weight", live.b[p]
+
+    def hf(bound):
+        merge = bound.arguments.get("merge_adapter_weights", True)
+        yield "model.layers.0.input_layernorm.weight", live.norm  # a view of a live param
+        for p in PROJ:
+            parent = "self_attn" if p in PROJ[:4] else "mlp"
+            w = live.w[p] + 2.0 * live.b[p] @ live.a[p] if merge else live.w[p]
+            name = f"model.layers.0.{parent}.{p}.weight"
+            yield (name if merge else name.replace(".weight", ".base_layer.weight")), w
+
+    return {"export_adapter_weights": adapter, "export_hf_weights": hf, "get_conversion_tasks": lambda bound: tasks}
+
+
+def test_megatron_bridge_adapter_dispatch(mb_api):
+    live, calls, tasks = Live(), [], [object()]
+    adapter = B.MegatronBridgeAdapter(spec_object(mb_api, _mb_impls(live, tasks), calls))
+    assert isinstance(adapter, B.WeightBridge) and adapter.supports_adapter
+
+    out = dict(adapter.export_adapter(["model"]))
+    assert len(out) == 14 and all(k.startswith("base_model.model.model.layers.0.") for k in out)
+    base = dict(adapter.export_base(["model"]))
+    assert set(base) == {"model.layers.0.input_layernorm.weight"} | {f"model.layers.0.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}.weight" for p in PROJ}
+    merged = dict(adapter.export_merged(["model"]))
+    torch.testing.assert_close(merged["model.layers.0.self_attn.o_proj.weight"], live.w["o_proj"] + 2.0 * live.b["o_proj"] @ live.a["o_proj"])
+
+    called = [name for name, _ in calls]
+    assert set(called) == B.REQUIRED_METHODS["megatron_bridge"]
+    assert called.count("get_conversion_tasks") == 1  # built once, reused by every export
+    hf_calls = [b for n, b in calls if n == "export_hf_weights"]
+    assert [b.arguments["merge_adapter_weights"] for b in hf_calls] == [False, True]
+    assert all(b.arguments["conversion_tasks"] is tasks for b in hf_calls)
+    assert all(b.arguments["show_progress"] is False for n, b in calls if n != "get_conversion_tasks")
+
+
+def test_exports_are_owned_copies(mb_api, tmp_path):
+    """An exported tensor must not change when the optimizer later updates the parameter, and
+    repeated fused A tensors must not share storage (safetensors refuses that)."""
+    live = Live()
+    adapter = B.MegatronBridgeAdapter(spec_object(mb_api, _mb_impls(live, [object()]), []))
+    out = dict(adapter.export_adapter(["m"]))
+    base = dict(adapter.export_base(["m"]))
+    before_a, before_norm = out["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].clone(), base["model.layers.0.input_layernorm.weight"].clone()
+    with torch.no_grad():  # the optimizer step
+        live.a["q_proj"].add_(1.0)
+        live.norm.add_(1.0)
+    assert torch.equal(out["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], before_a)
+    assert torch.equal(base["model.layers.0.input_layernorm.weight"], before_norm)
+    save_file(out, str(tmp_path / "adapter_model.safetensors"))  # raises on shared storage
+
+
+def test_mbridge_adapter_dispatch(mbridge_api):
+    live, calls = Live(), []
+
+    def export_weights(bound):
+        assert bound.arguments["models"] == ["m"]
+        yield "model.layers.0.self_attn.q_proj.weight", live.w["q_proj"]
+        yield "model.norm.weight", live.norm
+
+    obj = spec_object(mbridge_api, {"export_weights": export_weights}, calls)
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def merged_view(model):
+        events.append("merge")
+        yield
+        events.append("restore")
+
+    adapter = B.MBridgeAdapter(obj, merged_view=merged_view)
+    assert not adapter.supports_adapter
+    assert set(dict(adapter.export_base(["m"]))) == {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"}
+    assert events == []
+    stream = adapter.export_merged(["m"])
+    first = next(stream)
+    assert events == ["merge"] and first[0] == "model.layers.0.self_attn.q_proj.weight"
+    rest = list(stream)
+    assert events == ["merge", "restore"] and len(rest) == 1
+    with pytest.raises(ConfigError) as e:
+        adapter.export_adapter(["m"])
+    assert str(e.value) == B.MBRIDGE_NO_ADAPTER
+    assert {n for n, _ in calls} == B.REQUIRED_METHODS["mbridge"]
+
+
+def test_wrong_pairing_fails_at_construction(mb_api, mbridge_api):
+    """The seed bug, caught before any export: mbridge's adapter on Megatron-Bridge's AutoBridge."""
+    mb_obj = spec_object(mb_api, {}, [])
+    with pytest.raises(AttributeError, match="export_weights"):
+        mb_obj.export_weights([])  # what the seed did
+    with pytest.raises(ConfigError, match=r"backend.bridge=mbridge .* lacks export_weights"):
+        B.MBridgeAdapter(mb_obj)
+    with pytest.raises(ConfigError, match=r"backend.bridge=megatron_bridge .* lacks export_adapter_weights, export_hf_weights, get_conversion_tasks"):
+        B.MegatronBridgeAdapter(spec_object(mbridge_api, {}, []))
+
+
+def test_wrong_keyword_would_fail(mb_api):
+    """The spec object checks calls against the real signature, so a misspelt keyword in the
+    adapter (say `merge_adapters=False`) could not pass the dispatch test."""
+    obj = spec_object(mb_api, {"export_hf_weights": lambda b: iter(())}, [])
+    with pytest.raises(TypeError):
+        obj.export_hf_weights([], merge_adapters=False)
+
+
+def test_make_bridge_unknown_name():
+    with pytest.raises(ConfigError, match="backend.bridge='nope' is not valid; use one of: megatron_bridge, mbridge"):
+        B.make_bridge("nope", "/nonexistent")

@@ -1,0 +1,171 @@
+"""WeightPayload: names from real PEFT and HF models, checked against vLLM's own parser."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorarl.errors import ConfigError, SyncError
+from lorarl.sync import VLLM_LORA_RANKS, PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def hf_state(tiny_model_path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+
+
+@pytest.fixture(scope="module")
+def peft_parts(tiny_model_path: Path):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS))
+    return get_peft_model_state_dict(model), model.peft_config["default"].to_dict(), model
+
+
+def test_every_real_peft_name_is_accepted_by_vllm(peft_parts):
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    state, config, _ = peft_parts
+    assert len(state) == 2 * 2 * len(PROJECTIONS)  # layers x (A, B) x projections
+    modules = set()
+    for name in state:
+        module, is_a = parse_fine_tuned_lora_name(name)
+        assert is_a == name.endswith("lora_A.weight")
+        modules.add(module.rsplit(".", 1)[-1])
+    assert modules == set(PROJECTIONS)
+    payload = WeightPayload.adapter(state, config)
+    assert payload.kind is PayloadKind.ADAPTER
+    assert [n for n, _ in payload.tensors] == list(state)
+    assert payload.adapter_config["target_modules"] == sorted(PROJECTIONS)  # set -> JSON list
+    assert payload.max_rank == 8
+
+
+def test_full_state_dict_sent_as_adapter_is_rejected_before_vllm(hf_state, peft_parts):
+    """The seed bug: base weights down the adapter path."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    _, config, _ = peft_parts
+    with pytest.raises(ValueError, match="unsupported LoRA weight"):
+        parse_fine_tuned_lora_name("model.embed_tokens.weight")  # what vLLM said in the seed run
+    with pytest.raises(SyncError, match="base weight 'model.embed_tokens.weight'.*WeightPayload.base"):
+        WeightPayload.adapter(hf_state, config)
+
+
+def test_peft_model_with_base_mixed_in_is_rejected(peft_parts):
+    _, config, model = peft_parts
+    # The raw module state dict holds base_layer weights and adapter-named keys.
+    with pytest.raises(SyncError):
+        WeightPayload.adapter(model.state_dict(), config)
+
+
+def test_adapter_names_must_be_peft_saved_form(peft_parts):
+    state, config, _ = peft_parts
+    name, tensor = next(iter(state.items()))
+    named = name.replace("lora_A.weight", "lora_A.default.weight")  # named_parameters form
+    with pytest.raises(SyncError, match="PEFT saved form"):
+        WeightPayload.adapter({named: tensor}, config)
+
+
+def test_adapter_needs_pairs_and_consistent_rank(peft_parts):
+    state, config, _ = peft_parts
+    only_a = {k: v for k, v in state.items() if k.endswith("lora_A.weight")}
+    with pytest.raises(SyncError, match="no matching .*lora_B.weight"):
+        WeightPayload.adapter(only_a, config)
+    with pytest.raises(SyncError, match="r=4"):
+        WeightPayload.adapter(state, {**config, "r": 4})
+    with pytest.raises(SyncError, match="twice"):
+        WeightPayload.adapter(list(state.items()) + list(state.items())[:1], config)
+
+
+def test_adapter_config_must_be_a_complete_plain_dict(peft_parts):
+    from peft import LoraConfig
+
+    state, config, _ = peft_parts
+    for key in ("r", "lora_alpha", "target_modules"):
+        broken = {k: v for k, v in config.items() if k != key}
+        with pytest.raises(SyncError, match=key):
+            WeightPayload.adapter(state, broken)
+    with pytest.raises(SyncError, match="plain dict"):
+        WeightPayload.adapter(state, LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS))
+    with pytest.raises(SyncError, match="bias"):
+        WeightPayload.adapter(state, {**config, "bias": "all"})
+    with pytest.raises(SyncError, match="JSON"):
+        WeightPayload.adapter(state, {**config, "extra": object()})
+
+
+def test_base_payload_streams_and_checks_names_lazily(hf_state):
+    seen = []
+
+    def stream():
+        for name, tensor in hf_state.items():
+            seen.append(name)
+            yield name, tensor
+
+    payload = WeightPayload.base(stream())
+    assert payload.kind is PayloadKind.BASE and payload.adapter_config is None
+    assert seen == []  # nothing read until the consumer iterates
+    assert [n for n, _ in payload.tensors] == list(hf_state)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "model.layers.0.self_attn.q_proj.lora_B.weight",
+        "model.layers.0.self_attn.q_proj.base_layer.weight",
+        "base_model.model.model.norm.weight",
+    ],
+)
+def test_base_payload_rejects_peft_names(hf_state, bad):
+    items = list(hf_state.items())
+    payload = WeightPayload.base(items[:3] + [(bad, torch.zeros(2, 2))] + items[3:])
+    it = iter(payload.tensors)
+    for _ in range(3):
+        next(it)  # the good ones before it pass
+    with pytest.raises(SyncError, match=f"'{bad}' is not a plain HF name"):
+        next(it)
+
+
+def test_base_payload_rejects_an_adapter_config(hf_state, peft_parts):
+    with pytest.raises(SyncError, match="adapter_config"):
+        WeightPayload(PayloadKind.BASE, hf_state, peft_parts[1])
+
+
+def test_kind_must_be_known(hf_state):
+    with pytest.raises(ValueError):
+        WeightPayload("lora", hf_state)
+
+
+def test_rank_table_matches_vllm():
+    from vllm.config.lora import MaxLoRARanks
+
+    assert VLLM_LORA_RANKS == tuple(typing.get_args(MaxLoRARanks))
+
+
+@pytest.mark.parametrize(
+    "rank,expected",
+    [(1, 1), (2, 8), (8, 8), (9, 16), (16, 16), (33, 64), (64, 64), (257, 320), (320, 320), (321, 512), (512, 512)],
+)
+def test_rank_rounds_up(rank, expected):
+    assert vllm_lora_rank(rank) == expected
+
+
+@pytest.mark.parametrize("rank", [0, -8, 513, 1024, 8.0, True, "8"])
+def test_bad_rank_is_a_config_error(rank):
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        vllm_lora_rank(rank)
+
+
+def test_sync_stats_total():
+    s = SyncStats(PayloadKind.ADAPTER, num_tensors=4, bytes=100, gather_s=0.5, transfer_s=0.25, load_s=0.125)
+    assert s.seconds == 0.875
+    assert s.as_dict()["sync/kind"] == "adapter"

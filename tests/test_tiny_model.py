@@ -1,0 +1,130 @@
+"""The embedded default model: built once, cached, a normal HF directory, partly right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorarl.data import arith
+from lorarl.models import tiny
+
+
+def test_builds_a_normal_hf_model_dir(tiny_model_path: Path, lorarl_cache: Path):
+    assert tiny_model_path.parent == lorarl_cache
+    names = {p.name for p in tiny_model_path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", tiny.MARKER} <= names
+    assert not any(n.endswith((".bin", ".pt")) for n in names)
+    config = json.loads((tiny_model_path / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM CPU attention
+    assert config["tie_word_embeddings"] is True
+    assert config["vocab_size"] % 64 == 0
+
+
+def test_saved_tokenizer_matches_the_trained_one(tiny_tokenizer):
+    # transformers rebuilds qwen2 tokenizers with its own pre-tokenizer on load; the
+    # builder trains with that same pipeline, so ids agree (they did not at first).
+    trained = tiny.build_tokenizer()
+    assert type(tiny_tokenizer).__name__ == "Qwen2Tokenizer"
+    for text in arith.corpus() + ["What is 12 + 7?", "<|im_start|>user\nhi<|im_end|>"]:
+        assert tiny_tokenizer.encode(text) == trained.encode(text), text
+
+
+def test_chat_template_and_special_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    messages = [{"role": "user", "content": arith.question(3, 4)}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == f"<|im_start|>user\n{arith.question(3, 4)}<|im_end|>\n<|im_start|>assistant\n"
+    ids = tiny.prompt_ids(tok, messages)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert tok.decode(ids) == text  # byte-level BPE round-trips exactly
+    assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
+
+
+def test_second_call_reuses_the_cache(tiny_model_path: Path):
+    marker = tiny_model_path / tiny.MARKER
+    before = marker.stat().st_mtime_ns
+    start = time.perf_counter()
+    again = tiny.ensure_tiny_model(tiny_model_path)
+    assert again == tiny_model_path
+    assert time.perf_counter() - start < 1.0
+    assert marker.stat().st_mtime_ns == before
+
+
+def test_changed_recipe_rebuilds(tmp_path: Path):
+    path = tmp_path / "m"
+    tiny.ensure_tiny_model(path, seed=0, warmup_steps=0)
+    assert tiny.build_info(path)["warmup_steps"] == 0
+    # A marker from an older builder version is not trusted either.
+    info = tiny.build_info(path)
+    (path / tiny.MARKER).write_text(json.dumps({**info, "builder_version": -1}))
+    tiny.ensure_tiny_model(path, seed=0, warmup_steps=0)
+    assert tiny.build_info(path)["builder_version"] == tiny.BUILDER_VERSION
+    tiny.ensure_tiny_model(path, seed=0, warmup_steps=2)
+    assert tiny.build_info(path)["warmup_steps"] == 2
+    assert not list(tmp_path.glob(".m.tmp-*"))  # no build left half-way
+
+
+def test_concurrent_builders_share_one_result(tmp_path: Path):
+    path = tmp_path / "shared"
+    script = textwrap.dedent(
+        f"""
+        from lorarl.models.tiny import ensure_tiny_model, build_info
+        import json
+        p = ensure_tiny_model({str(path)!r}, seed=3, warmup_steps=0)
+        print(json.dumps(build_info(p)))
+        """
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-2000:]
+    infos = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    # The second process waited on the lock and reused the first one's model.
+    assert infos[0] == infos[1]
+    assert not list(tmp_path.glob(".shared.tmp-*"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+def test_warmup_makes_the_policy_partly_right(hf_model, tiny_tokenizer, tiny_model_path: Path):
+    # Measured for 100 warm-up steps: 58.5% on these 200 held-out rows for seed 0
+    # (seeds 1, 2: 58.5%, 60.5%). GRPO needs groups neither all right nor all wrong.
+    rows = arith.make_rows(200, seed=0, split="test")
+    acc = tiny.greedy_accuracy(hf_model, tiny_tokenizer, rows)
+    assert 0.25 <= acc <= 0.8, acc
+    assert tiny.build_info(tiny_model_path)["greedy_accuracy_test200"] == pytest.approx(acc, abs=0.03)
+
+
+def test_without_warmup_the_model_is_not_right(tmp_path: Path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny.ensure_tiny_model(tmp_path / "cold", seed=0, warmup_steps=0)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    acc = tiny.greedy_accuracy(model, tiny_tokenizer, arith.make_rows(100, seed=0, split="test"))
+    assert acc < 0.1
+
+
+def test_weights_are_safetensors_in_float32(tiny_model_path: Path):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_path / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        assert "model.embed_tokens.weight" in keys
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in keys)

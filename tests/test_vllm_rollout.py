@@ -1,0 +1,247 @@
+"""VLLMRollout against HF + PEFT on the tiny model: real vLLM (CPU build), real PEFT.
+
+Tolerance: fp32 on CPU. Greedy tokens must match exactly; per-token log-probs within
+LOGPROB_TOL (measured max |diff| ~6e-5 for a random rank-8 adapter on all 7 projections).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorarl.data import arith
+from lorarl.errors import ConfigError, SyncError
+from lorarl.models.tiny import prompt_ids
+from lorarl.rollout.vllm import VLLMRollout
+from lorarl.sync import PayloadKind, WeightPayload
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LOGPROB_TOL = 1e-3
+NEW_TOKENS = 8
+MAX_LEN = 128
+
+
+def make_rollout(path: Path, **kw) -> VLLMRollout:
+    kw.setdefault("lora_rank", 8)
+    return VLLMRollout(path, max_model_len=MAX_LEN, seed=0, max_num_seqs=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    return [prompt_ids(tiny_tokenizer, r["prompt"]) for r in arith.make_rows(6, seed=0, split="test")]
+
+
+@pytest.fixture(scope="module")
+def hf_base(tiny_model_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+@pytest.fixture(scope="module")
+def peft_model(tiny_model_path: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS)).eval()
+
+
+def randomize(model, seed: int, std: float = 0.2) -> None:
+    """Non-zero LoRA weights (PEFT starts with B = 0, which would test nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def adapter_payload(model) -> WeightPayload:
+    from peft import get_peft_model_state_dict
+
+    return WeightPayload.adapter(get_peft_model_state_dict(model), model.peft_config["default"].to_dict())
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = model.generate(input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@torch.no_grad()
+def hf_logprobs(model, seq: list[int], start: int) -> list[float]:
+    logp = model(input_ids=torch.tensor([seq])).logits[0].float().log_softmax(-1)
+    return [logp[i - 1, seq[i]].item() for i in range(start, len(seq))]
+
+
+def vllm_greedy(rollout: VLLMRollout, prompts) -> list[list[int]]:
+    return [r[0] for r in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=NEW_TOKENS)]
+
+
+@pytest.fixture(scope="module", params=["tmpfs", "memory"])
+def rollout(request, tiny_model_path: Path):
+    r = make_rollout(tiny_model_path, adapter_transport=request.param)
+    yield r
+    r.shutdown()
+
+
+# ------------------------------------------------------------------ adapter mode
+def test_synced_adapter_reproduces_hf_peft(rollout, peft_model, hf_base, prompts):
+    randomize(peft_model, seed=1)
+    stats = rollout.apply(adapter_payload(peft_model))
+    assert stats.kind is PayloadKind.ADAPTER and stats.num_tensors == 2 * 2 * len(PROJECTIONS)
+    assert stats.bytes == sum(p.numel() * 4 for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert rollout.num_adapters() == 1
+
+    want = hf_greedy(peft_model, prompts)
+    assert want != hf_greedy(hf_base, prompts)  # the adapter changes the output at all
+    samples = rollout.sample(prompts, n=1, temperature=0.0, max_tokens=NEW_TOKENS)
+    assert [s[0] for s in samples.token_ids] == want
+
+    worst = 0.0
+    for p, resp, lps in zip(prompts, want, samples.logprobs):
+        seq = p + resp
+        ref = hf_logprobs(peft_model, seq, len(p))
+        got = rollout.prompt_logprobs(seq, len(p))
+        worst = max(worst, *(abs(a - b) for a, b in zip(got, ref)), *(abs(a - b) for a, b in zip(lps[0], ref)))
+    assert worst < LOGPROB_TOL, worst
+
+
+def test_fifty_syncs_keep_one_adapter_and_serve_the_last(rollout, peft_model, prompts):
+    outputs = []
+    for i in range(50):
+        randomize(peft_model, seed=100 + i)
+        rollout.apply(adapter_payload(peft_model))
+        assert rollout.num_adapters() == 1
+        if i >= 47:
+            outputs.append(vllm_greedy(rollout, prompts))
+    assert outputs[-1] != outputs[-2] != outputs[-3]  # each new adapter is the one used
+    assert outputs[-1] == hf_greedy(peft_model, prompts)
+
+
+def test_rollout_owns_its_adapter_tensors(rollout, peft_model, prompts):
+    randomize(peft_model, seed=7)
+    rollout.apply(adapter_payload(peft_model))
+    want = vllm_greedy(rollout, prompts)
+    with torch.no_grad():  # the trainer keeps training in place after the sync
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    rollout.reset_prefix_cache()
+    assert vllm_greedy(rollout, prompts) == want
+
+
+def test_rank_above_the_engine_limit_is_refused(rollout, tiny_model_path: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    big = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"]))
+    before = rollout.num_adapters()
+    with pytest.raises(SyncError, match="exceeds the engine's max_lora_rank 8"):
+        rollout.apply(adapter_payload(big))
+    assert rollout.num_adapters() == before
+
+
+# --------------------------------------------------------- dummy weights, base sync
+@pytest.mark.parametrize("transport", ["tmpfs", "memory"])
+def test_adapter_before_base_is_refused(tiny_model_path: Path, peft_model, transport):
+    with make_rollout(tiny_model_path, load_format="dummy", adapter_transport=transport) as r:
+        assert r.base_loaded is False
+        with pytest.raises(SyncError, match="base weights are not in the engine; send a base payload first"):
+            r.apply(adapter_payload(peft_model))
+        assert r.num_adapters() == 0 and not r.has_adapter
+
+
+@pytest.mark.parametrize("transport", ["tmpfs", "memory"])
+def test_base_sync_into_dummy_engine(tiny_model_path: Path, hf_base, peft_model, prompts, transport):
+    state = torch.random.get_rng_state()
+    with make_rollout(tiny_model_path, load_format="dummy", adapter_transport=transport) as r:
+        assert torch.equal(torch.random.get_rng_state(), state)  # vLLM's reseed was undone
+        base_greedy = hf_greedy(hf_base, prompts)
+        assert vllm_greedy(r, prompts) != base_greedy
+
+        stats = r.apply(WeightPayload.base(hf_base.state_dict().items()))
+        assert stats.kind is PayloadKind.BASE and stats.num_tensors == len(hf_base.state_dict())
+        assert r.base_loaded
+        assert vllm_greedy(r, prompts) == base_greedy
+
+        randomize(peft_model, seed=3)
+        r.apply(adapter_payload(peft_model))
+        with_adapter = hf_greedy(peft_model, prompts)
+        assert vllm_greedy(r, prompts) == with_adapter
+
+        # vLLM drops adapters when base weights are reloaded; the rollout puts its one back.
+        r.apply(WeightPayload.base(hf_base.state_dict().items()))
+        assert r.num_adapters() == 1
+        assert vllm_greedy(r, prompts) == with_adapter
+
+
+# ------------------------------------------------------------------- merged mode
+@pytest.fixture(scope="module")
+def merged_rollout(tiny_model_path: Path):
+    r = make_rollout(tiny_model_path, lora_rank=None)
+    yield r
+    r.shutdown()
+
+
+def test_merged_mode_matches_hf_peft_merged(merged_rollout, peft_model, hf_base, prompts):
+    r = merged_rollout
+    assert not r.lora_enabled and r.base_loaded
+    assert vllm_greedy(r, prompts) == hf_greedy(hf_base, prompts)
+
+    randomize(peft_model, seed=11)
+    want = hf_greedy(peft_model, prompts)
+    merged = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    stats = r.apply(WeightPayload.base(merged.items()))
+    assert stats.num_tensors == len(merged) and r.num_adapters() == 0
+    assert vllm_greedy(r, prompts) == want
+    seq = prompts[0] + want[0]
+    got = r.prompt_logprobs(seq, len(prompts[0]))
+    ref = hf_logprobs(peft_model, seq, len(prompts[0]))
+    assert max(abs(a - b) for a, b in zip(got, ref)) < LOGPROB_TOL
+
+
+def test_merged_mode_refuses_adapters(merged_rollout, peft_model):
+    with pytest.raises(SyncError, match="merged mode"):
+        merged_rollout.apply(adapter_payload(peft_model))
+
+
+def test_failed_base_sync_clears_base_loaded_until_a_full_one(merged_rollout, hf_base, prompts):
+    r = merged_rollout
+    items = list(hf_base.state_dict().items())
+    bad = items[:5] + [("model.layers.0.mlp.down_proj.lora_A.weight", torch.zeros(8, 512))] + items[5:]
+    with pytest.raises(SyncError, match="down_proj.lora_A.weight' is not a plain HF name"):
+        r.apply(WeightPayload.base(bad))
+    assert r.base_loaded is False
+    with pytest.raises(SyncError, match="no module or parameter named 'nope'"):
+        r.apply(WeightPayload.base([("model.nope.weight", torch.zeros(1))]))
+    r.apply(WeightPayload.base(items))
+    assert r.base_loaded
+    assert vllm_greedy(r, prompts) == hf_greedy(hf_base, prompts)
+
+
+# ------------------------------------------------------------------ sleep state
+def test_sleep_level_follows_the_mode(rollout, merged_rollout):
+    assert rollout.sleep_level == 1  # adapter mode keeps the base
+    assert merged_rollout.sleep_level == 2  # merged mode resends it each step
+    with pytest.raises(ConfigError, match="enable_sleep_mode is false"):
+        rollout.sleep()
+
+
+def test_sleep_mode_on_cpu_is_a_config_error(tiny_model_path: Path):
+    with pytest.raises(ConfigError, match="enable_sleep_mode"):
+        make_rollout(tiny_model_path, enable_sleep_mode=True)
+
+
+def test_shut_down_rollout_says_so(tiny_model_path: Path, prompts):
+    r = make_rollout(tiny_model_path, lora_rank=None)
+    r.shutdown()
+    r.shutdown()  # idempotent
+    with pytest.raises(SyncError, match="shut down"):
+        r.generate(prompts[:1])
