@@ -245,3 +245,16 @@ def test_shut_down_rollout_says_so(tiny_model_path: Path, prompts):
     r.shutdown()  # idempotent
     with pytest.raises(SyncError, match="shut down"):
         r.generate(prompts[:1])
+
+
+def test_engines_overlap_and_rebuild_in_one_process(tiny_model_path: Path, hf_base, prompts):
+    # vLLM's parallel groups are process-global: shutting one engine down must not
+    # break another that is still serving, and a later engine must start cleanly.
+    want = hf_greedy(hf_base, prompts)
+    first = make_rollout(tiny_model_path, lora_rank=None)
+    second = make_rollout(tiny_model_path, lora_rank=None)
+    first.shutdown()
+    assert vllm_greedy(second, prompts) == want
+    second.shutdown()
+    with make_rollout(tiny_model_path, lora_rank=None) as third:
+        assert vllm_greedy(third, prompts) == want

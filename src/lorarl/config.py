@@ -215,10 +215,6 @@ def register_schemas() -> None:
         OmegaConf.register_new_resolver("lorarl_cache", cache_dir)
     cs = ConfigStore.instance()
     cs.store(name="grpo_schema", node=GRPOConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
-    cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     cs.store(group="backend", name="fsdp_schema", node=FSDPBackendConfig)
     cs.store(group="backend", name="megatron_schema", node=MegatronBackendConfig)
 

@@ -203,7 +203,7 @@ def worker_env() -> dict[str, str]:
     """Environment every worker process needs before vLLM is imported."""
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
     }

@@ -16,6 +16,7 @@ import random
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class VLLMRollout:
         self.base_loaded = load_format != "dummy"
         self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
         self._adapter_dir: Path | None = None
+        self._has_adapter = False
         self._asleep = False
 
         kwargs: dict = dict(
@@ -113,8 +115,14 @@ class VLLMRollout:
         if self.max_lora_rank is not None:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.max_lora_rank)
 
+        _first_engine_in_process()
         with _process_state_kept():
             self._llm = LLM(**kwargs)
+        if self.lora_enabled and adapter_transport == "tmpfs":
+            shm = Path("/dev/shm")
+            root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-", dir=root))
+        self._release = _adopt_engine(self, self._llm, self._adapter_dir)
 
     # ------------------------------------------------------------------ state
     @property
@@ -124,7 +132,7 @@ class VLLMRollout:
     @property
     def has_adapter(self) -> bool:
         """An adapter payload was applied; every request carries it from then on."""
-        return self._adapter_dir is not None or self._adapter is not None
+        return self._has_adapter
 
     @property
     def sleep_level(self) -> int:
@@ -242,7 +250,7 @@ class VLLMRollout:
             self._engine().collective_rpc(_finish_interrupted_reload)
             if isinstance(exc, SyncError):
                 raise
-            raise SyncError(f"vLLM could not load the base payload: {type(exc).__name__}: {exc}") from exc
+            raise SyncError(f"vLLM could not load the base payload: {_short(exc)}") from exc
         stats.load_s = time.perf_counter() - start
         if stats.num_tensors == 0:
             raise SyncError("base payload was empty; nothing was loaded into the engine")
@@ -282,15 +290,13 @@ class VLLMRollout:
             self._adapter = (owned, dict(payload.adapter_config))
         stats.transfer_s = time.perf_counter() - start
         stats.load_s = self._load_adapter()
+        self._has_adapter = True
         return stats
 
     def _write_adapter_dir(self, tensors: dict[str, Tensor], config: dict) -> None:
         from safetensors.torch import save_file
 
-        if self._adapter_dir is None:
-            shm = Path("/dev/shm")
-            root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-", dir=root))
+        assert self._adapter_dir is not None
         save_file(tensors, str(self._adapter_dir / "adapter_model.safetensors"))
         (self._adapter_dir / "adapter_config.json").write_text(json.dumps(config))
 
@@ -314,7 +320,7 @@ class VLLMRollout:
                 tensors = {name: t.clone() for name, t in kept.items()}
                 engine.collective_rpc(_add_adapter_from_tensors, args=(ADAPTER_ID, tensors, config))
         except Exception as exc:
-            raise SyncError(f"vLLM rejected the adapter: {type(exc).__name__}: {exc}") from exc
+            raise SyncError(f"vLLM rejected the adapter: {_short(exc)}") from exc
         loaded = engine.llm_engine.list_loras()
         if loaded != {ADAPTER_ID}:
             raise SyncError(
@@ -351,16 +357,13 @@ class VLLMRollout:
 
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:
-        llm = getattr(self, "_llm", None)
+        """Free the engine (and its adapter folder); safe to call twice."""
         self._llm = None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-        if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-            self._adapter_dir = None
         self._adapter = None
+        self._has_adapter = False
+        release = getattr(self, "_release", None)
+        if release is not None:
+            release()
 
     def __enter__(self) -> VLLMRollout:
         return self
@@ -372,6 +375,12 @@ class VLLMRollout:
         if self._llm is None:
             raise SyncError("the rollout engine was shut down; build a new VLLMRollout")
         return self._llm
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    """One line: vLLM's messages can list every parameter of the model."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _resolve_dtype(model_path: str | os.PathLike, dtype: str) -> str:
@@ -433,6 +442,60 @@ def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], 
     adapters.remove_adapter(lora_id)
     adapters.add_adapter(lora)
     adapters.activate_adapter(lora_id)
+
+
+# vLLM keeps its parallel groups in process globals shared by every in-process
+# engine, and an engine's shutdown tears them down (and torch.distributed with them).
+# Count live engines so only the last one cleans up, and never destroy a process
+# group that the caller (a trainer) created before the first engine.
+_live_engines = 0
+_caller_owns_torch_dist = False
+
+
+def _first_engine_in_process() -> None:
+    global _caller_owns_torch_dist
+    if _live_engines == 0:
+        _caller_owns_torch_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _adopt_engine(owner: VLLMRollout, llm, adapter_dir: Path | None):
+    global _live_engines
+    _live_engines += 1
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()  # ours below replaces it, so teardown always goes through _release_engine
+    return weakref.finalize(owner, _release_engine, llm, adapter_dir)
+
+
+def _release_engine(llm, adapter_dir: Path | None) -> None:
+    global _live_engines
+    _live_engines -= 1
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
+    if core is not None:
+        import vllm.v1.engine.core as core_module
+
+        full_cleanup = core_module.cleanup_dist_env_and_memory
+
+        def cleanup(shutdown_ray: bool = False) -> None:
+            if _live_engines > 0:
+                return
+            if _caller_owns_torch_dist:
+                from vllm.distributed.parallel_state import destroy_model_parallel
+
+                destroy_model_parallel()
+                return
+            full_cleanup(shutdown_ray)
+
+        core_module.cleanup_dist_env_and_memory = cleanup
+        try:
+            core.shutdown()
+        finally:
+            core_module.cleanup_dist_env_and_memory = full_cleanup
+    del llm, core
+    gc.collect()
+    if adapter_dir is not None:
+        shutil.rmtree(adapter_dir, ignore_errors=True)
 
 
 class _process_state_kept:
