@@ -230,3 +230,12 @@ def test_require_cuda_on_cpu():
     with pytest.raises(ConfigError) as e:
         C.require_cuda()
     assert str(e.value) == "the Megatron backend needs CUDA GPUs (none found); use +backend=fsdp on CPU"
+
+
+def test_transformer_engine_impl_without_te_is_a_config_error():
+    from lorarl.engines.megatron import te_standin
+
+    if te_standin.te_available():
+        pytest.skip("TransformerEngine is installed here")
+    with pytest.raises(ConfigError, match=r"backend\.transformer_impl=transformer_engine needs TransformerEngine"):
+        te_standin.import_megatron_bridge("transformer_engine")

@@ -125,15 +125,22 @@ def test_fifty_syncs_keep_one_adapter_and_serve_the_last(rollout, peft_model, pr
     assert outputs[-1] == hf_greedy(peft_model, prompts)
 
 
-def test_rollout_owns_its_adapter_tensors(rollout, peft_model, prompts):
+def test_rollout_owns_its_adapter_tensors(rollout, peft_model, hf_base, prompts):
     randomize(peft_model, seed=7)
+    sent = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
     rollout.apply(adapter_payload(peft_model))
+    # vLLM scales lora_B in place while loading; the trainer's tensors must not see it.
+    assert all(torch.equal(p, sent[n]) for n, p in peft_model.named_parameters() if "lora_" in n)
     want = vllm_greedy(rollout, prompts)
     with torch.no_grad():  # the trainer keeps training in place after the sync
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.zero_()
     rollout.reset_prefix_cache()
+    assert vllm_greedy(rollout, prompts) == want
+    # A base sync makes vLLM drop its adapters; the rollout re-attaches its own copy.
+    rollout.apply(WeightPayload.base(hf_base.state_dict().items()))
+    assert rollout.num_adapters() == 1
     assert vllm_greedy(rollout, prompts) == want
 
 

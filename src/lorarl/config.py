@@ -158,7 +158,10 @@ class TrainerConfig:
     # After each sync, compare trainer and vLLM log-probs on a fixed sequence.
     check_sync: bool = False
     check_sync_tolerance: float = 0.05
+    # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
+    # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
     default_local_dir: str = "checkpoints"
+    # auto (newest complete checkpoint, if any) | disable | path to a global_step_N folder.
     resume_mode: str = "auto"
     max_ckpt_to_keep: Optional[int] = None
     progress_bar: bool = True

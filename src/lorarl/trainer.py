@@ -11,15 +11,18 @@ its GRPO group, stay on one worker.
 
 from __future__ import annotations
 
+import os
+import random
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lorarl import algorithms
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
-from lorarl.tracking import Tracker
+from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
+from lorarl.tracking import Tracker, redact
 
 
 def resolve_device(requested: str) -> str:
@@ -105,6 +108,10 @@ class GRPOTrainer:
             )
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
+        ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
+        self.ckpt = CheckpointManager(ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep)
+        self.ckpt.clean_partial()
+        self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -118,6 +125,9 @@ class GRPOTrainer:
         if self.dropped_prompts:
             tqdm.write(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
         self.group = WorkerGroup(self.run, self.device)
+        if self.resume_from is not None:
+            self.load_checkpoint(self.resume_from)
+            tqdm.write(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.group.call("sync")[0]
         self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
@@ -134,12 +144,42 @@ class GRPOTrainer:
             metrics = self.train_step()
             if t.test_freq > 0 and self.val_items and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                 metrics.update(self.validate())
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                metrics["timing/save"] = self.save_checkpoint()
             self.tracker.log(metrics, step=self.step)
             last_reward = metrics["reward/mean"]
             bar.update(1)
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=metrics["sync/kind"])
         bar.close()
+        final = self.out_dir / "final_adapter"
+        self.group.call("export_adapter", str(final))
+        tqdm.write(f"final adapter: {final}")
         return last_reward
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        tmp = self.ckpt.begin(self.step)
+        try:
+            self.group.call("save_checkpoint", str(tmp))
+            write_json(
+                tmp / "trainer_state.json",
+                {"step": self.step, "loader": self.loader.state_dict(), "python_rng": _jsonable_rng(random.getstate())},
+            )
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(redact(self.run.to_dict())))
+            self.ckpt.commit(tmp, self.step)
+        except BaseException:
+            self.ckpt.abort(tmp)
+            raise
+        return time.perf_counter() - t0
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = read_json(path / "trainer_state.json")
+        self.group.call("load_checkpoint", str(path))
+        self.step = state["step"]
+        self.loader.load_state_dict(state["loader"])
+        random.setstate(_python_rng(state["python_rng"]))
 
     def train_step(self) -> dict:
         r, d = self.run.rollout, self.run.data
@@ -252,6 +292,16 @@ def _split(items: list, parts: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
+
+
+def _jsonable_rng(state):
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _python_rng(state):
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
 
 
 def _mean_over_workers(results: list[dict]) -> dict:

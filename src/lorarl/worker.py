@@ -12,6 +12,7 @@ import gc
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -184,10 +185,49 @@ class Worker:
             )
         return diff
 
-    # ---- lifecycle -----------------------------------------------------------------------
+    # ---- checkpoints ---------------------------------------------------------------------
 
-    def lora_state(self) -> dict:
-        return self.engine.lora_state()
+    def save_checkpoint(self, directory: str) -> None:
+        """Collective; rank 0 writes the adapter (PEFT folder) and the optimizer, every rank its RNG."""
+        from safetensors.torch import save_file
+
+        from lorarl.checkpoint import ADAPTER_DIR, flatten_optimizer_state, save_peft_adapter, write_json
+
+        out = Path(directory)
+        lora = self.engine.lora_state()
+        optim = self.engine.optimizer_state()
+        if self.rank == 0:
+            save_peft_adapter(out / ADAPTER_DIR, lora, self.engine.adapter_config())
+            tensors, meta = flatten_optimizer_state(optim)
+            save_file(tensors, str(out / "optimizer.safetensors"))
+            write_json(out / "optimizer.json", {**meta, "scheduler": self.engine.scheduler_state()})
+        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        from lorarl.checkpoint import ADAPTER_DIR, load_peft_adapter, read_json, unflatten_optimizer_state
+
+        src = Path(directory)
+        lora, _ = load_peft_adapter(src / ADAPTER_DIR)
+        meta = read_json(src / "optimizer.json")
+        optim = unflatten_optimizer_state(load_file(str(src / "optimizer.safetensors")), meta)
+        self.engine.load_state(lora, optim, meta["scheduler"])
+        rng = src / f"rng_rank{self.rank}.safetensors"
+        if rng.is_file():
+            torch.set_rng_state(load_file(str(rng))["torch"])
+
+    def export_adapter(self, directory: str) -> None:
+        """The trained adapter as a standard PEFT folder (rank 0 writes; collective)."""
+        from lorarl.checkpoint import save_peft_adapter
+
+        lora = self.engine.lora_state()
+        if self.rank == 0:
+            save_peft_adapter(directory, lora, self.engine.adapter_config())
+        dist.barrier()
+
+    # ---- lifecycle -----------------------------------------------------------------------
 
     def shutdown(self) -> None:
         if self.rollout is not None:

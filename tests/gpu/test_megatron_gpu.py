@@ -1,4 +1,4 @@
-"""Megatron engine on real GPUs: TP=1 and TP=2, checked against HF + PEFT (issue 4).
+"""Megatron engine on real GPUs: TP=1, TP=2, PP=2 and recompute, checked against HF + PEFT (issue 4).
 
 Run on the accelerator machine (megatron-core 0.19.2 + megatron-bridge 0.6.2 installed;
 TransformerEngine absent, so `transformer_impl=local` goes through the import-only stand-in
@@ -9,7 +9,7 @@ in lorarl.engines.megatron.te_standin):
 
 Each case builds a random-init HF directory with Qwen2.5-0.5B's widths (hidden 896, 14 heads,
 2 KV heads, FFN 4864, vocab 151936; LORARL_GPU_LAYERS layers, default 4, 24 = the real depth),
-launches `torchrun --nproc_per_node=TP` on this file, which builds MegatronEngine (provider
+launches `torchrun --nproc_per_node=TP*PP` on this file, which builds MegatronEngine (provider
 path, LoRA pre-wrap hook, DDP + distributed optimizer), trains 3 PPO steps, and writes the
 exports and log-probs. The pytest side then checks:
 - base export (merge_adapter_weights=False, `.base_layer` stripped) == the HF files, exactly;
@@ -19,7 +19,9 @@ exports and log-probs. The pytest side then checks:
   adapter moves log-probs by more than 3x that difference (so the check can fail);
 - reference log-probs (PEFT disable_adapter in Megatron) are within TOL of HF base;
 - our own split of the raw Megatron LoRA shards == the bridge's adapter export, exactly;
-- merged export == PEFT merge_and_unload weights (within merge TOL).
+- merged export == PEFT merge_and_unload weights (within merge TOL), and != the base.
+Cases: TP=1, TP=2 (fp32; bf16 with an entropy bonus), PP=2, full recompute. Summaries of the
+run on 2 x H200 are in tests/gpu_logs/.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ LAYERS = int(os.environ.get("LORARL_GPU_LAYERS", "4"))
 # different kernels; bf16: ENVIRONMENT.md saw 0.031 logit difference at 4 layers.
 TOL = {"float32": 2e-3, "bfloat16": 0.15}
 MERGE_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
-CASES = [(1, "float32"), (2, "float32"), (2, "bfloat16")]
+# (TP, PP, dtype, variant): "recompute" = full / uniform / 1 layer; "entropy" = entropy_coeff
+# 0.01, which with TP > 1 gathers the vocab-parallel logits inside the loss
+CASES = [(1, 1, "float32", ""), (2, 1, "float32", ""), (2, 1, "bfloat16", "entropy"), (1, 2, "float32", ""), (1, 1, "bfloat16", "recompute")]
 RANK, ALPHA = 16, 32
 PROMPT_LEN, RESPONSE_LEN, N_SEQ = 16, 24, 8
 CHECKED_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -50,7 +54,7 @@ CHECKED_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_config(hf_dir: str, tp: int, dtype: str):
+def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
     from lorarl.config import (
         ActorConfig,
         AlgorithmConfig,
@@ -70,15 +74,17 @@ def _run_config(hf_dir: str, tp: int, dtype: str):
         rollout=RolloutConfig(n=1, temperature=1.0),
         actor=ActorConfig(
             optim=OptimConfig(lr=5e-3), ppo_mini_batch_size=N_SEQ, ppo_micro_batch_size_per_gpu=4,
-            use_kl_loss=True, kl_loss_type="low_var_kl", grad_clip=1.0,
+            use_kl_loss=True, kl_loss_type="low_var_kl", grad_clip=1.0, entropy_coeff=0.01 if variant == "entropy" else 0.0,
         ),  # fmt: skip
         algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=tp, device="cuda", seed=7),
-        backend=MegatronBackendConfig(tensor_model_parallel_size=tp, transformer_impl="local", bridge="megatron_bridge"),
+        trainer=TrainerConfig(n_gpus_per_node=tp * pp, device="cuda", seed=7),
+        backend=MegatronBackendConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local", bridge="megatron_bridge",
+            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if variant == "recompute" else {}),
+        ),
     )
 
 
-def worker(hf_dir: str, out_dir: str, tp: int, dtype: str) -> None:
+def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str = "") -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
@@ -89,9 +95,9 @@ def worker(hf_dir: str, out_dir: str, tp: int, dtype: str) -> None:
 
     out = Path(out_dir)
     t0 = time.perf_counter()
-    engine = MegatronEngine(_run_config(hf_dir, tp, dtype))
+    engine = MegatronEngine(_run_config(hf_dir, tp, pp, dtype, variant))
     rank = dist.get_rank()
-    result: dict = {"tp": tp, "dtype": dtype, "layers": LAYERS, "build_s": time.perf_counter() - t0}
+    result: dict = {"tp": tp, "pp": pp, "dtype": dtype, "variant": variant or None, "layers": LAYERS, "build_s": time.perf_counter() - t0}
 
     # base export == the HF files (pure base, names normalised)
     t = time.perf_counter()
@@ -101,7 +107,9 @@ def worker(hf_dir: str, out_dir: str, tp: int, dtype: str) -> None:
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         hf.update(load_file(str(f)))
     result["base_names_equal"] = set(base) == set(hf)
-    result["base_max_diff"] = max(float((base[k].float().cpu() - hf[k].float()).abs().max()) for k in hf if k in base)
+    # the files are float32; the engine holds them cast to its dtype
+    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    result["base_max_diff"] = max(float((base[k].cpu().float() - hf[k].to(cast).float()).abs().max()) for k in hf if k in base)
 
     g = torch.Generator().manual_seed(123)
     prompts = [torch.randint(10, 1000, (PROMPT_LEN - i % 3,), generator=g).tolist() for i in range(N_SEQ)]
@@ -144,11 +152,12 @@ def worker(hf_dir: str, out_dir: str, tp: int, dtype: str) -> None:
     result["adapter_tensors"] = len(adapter)
     result["adapter_bytes"] = sum(v.numel() * v.element_size() for v in adapter.values())
 
-    # our split of the raw shards vs the bridge's export
-    shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
-    ours = megatron_lora_to_peft(engine.lora_shards(), shape)
-    result["own_split_names_equal"] = set(ours) == set(adapter)
-    result["own_split_max_diff"] = max(float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter)
+    # our split of the raw shards vs the bridge's export (layer numbers are stage-local with PP)
+    if pp == 1:
+        shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
+        ours = megatron_lora_to_peft(engine.lora_shards(), shape)
+        result["own_split_names_equal"] = set(ours) == set(adapter)
+        result["own_split_max_diff"] = max(float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter)
 
     merged = dict(engine.bridge.export_merged(engine.model))
     merged_subset = {k: v for k, v in merged.items() if any(f"layers.0.{w}.weight" in k or f"layers.{LAYERS - 1}.{w}.weight" in k for w in CHECKED_WEIGHTS)}
@@ -200,16 +209,16 @@ def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].cuda().unsqueeze(-1)).squeeze(-1).cpu()
 
 
-@pytest.mark.parametrize("tp, dtype", CASES, ids=[f"tp{t}-{d}" for t, d in CASES])
-def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, dtype):
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} GPUs")
+@pytest.mark.parametrize("tp, pp, dtype, variant", CASES, ids=[f"tp{t}-pp{p}-{d}{'-' + r if r else ''}" for t, p, d, r in CASES])
+def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, variant):
+    if torch.cuda.device_count() < tp * pp:
+        pytest.skip(f"needs {tp * pp} GPUs")
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import Qwen2ForCausalLM
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}", __file__, "--worker", str(hf_dir), str(out), str(tp), dtype]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * pp}", __file__, "--worker", str(hf_dir), str(out), str(tp), str(pp), dtype, variant]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -221,6 +230,7 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, dtype):
     probe = load_file(str(out / "probe.safetensors"))
     mask = probe["mask"].bool()
     hf_base = _hf_logp(base_model, probe["ids"])
+    base_weights = {k: v.detach().float().cpu().clone() for k, v in base_model.state_dict().items()}
     peft_model = PeftModel.from_pretrained(base_model, str(out / "adapter")).eval()
     hf_lora = _hf_logp(peft_model, probe["ids"])
     diff_policy = (hf_lora - probe["policy"]).abs()[mask]
@@ -229,28 +239,32 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, dtype):
     merged_ref = {k: v for k, v in peft_model.merge_and_unload().state_dict().items()}
     merged = load_file(str(out / "merged_subset.safetensors"))
     merge_diff = max(float((merged[k].float() - merged_ref[k].float().cpu()).abs().max() / merged_ref[k].float().abs().max()) for k in merged)
+    # and the merged export is not just the base (else the check above proves nothing)
+    merge_delta = min(float((merged[k].float() - base_weights[k]).abs().max() / base_weights[k].abs().max()) for k in merged)
     result.update(
         policy_vs_peft_max=float(diff_policy.max()), policy_vs_peft_mean=float(diff_policy.mean()),
         reference_vs_hf_base_max=float(diff_reference.max()), adapter_effect_mean=float(effect.mean()),
-        merged_vs_peft_rel_max=merge_diff, tolerance=TOL[dtype],
+        merged_vs_peft_rel_max=merge_diff, merged_vs_base_rel_min=merge_delta, tolerance=TOL[dtype],
     )  # fmt: skip
     print(json.dumps(result, indent=1, default=float))
     log_dir = os.environ.get("LORARL_GPU_LOG_DIR")
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(log_dir) / f"megatron_tp{tp}_{dtype}.json").write_text(json.dumps(result, indent=1, default=float))
+        (Path(log_dir) / f"megatron_tp{tp}_pp{pp}_{dtype}{'_' + variant if variant else ''}.json").write_text(json.dumps(result, indent=1, default=float))
 
     assert result["base_names_equal"] and result["base_max_diff"] == 0.0
     assert result["initial_policy_vs_reference_max"] == 0.0
     assert result["reference_drift_max"] <= 1e-6 if dtype == "float32" else result["reference_drift_max"] <= TOL[dtype]
     assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in result["metrics"])  # finite, not NaN
-    assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
+    if pp == 1:
+        assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
     assert result["adapter_tensors"] == 14 * LAYERS
     assert diff_policy.max() <= TOL[dtype], result
     assert diff_reference.max() <= TOL[dtype], result
     assert effect.mean() > 3 * diff_policy.mean(), f"adapter too weak to tell apart from numeric noise: {result}"
     assert merge_diff <= MERGE_TOL[dtype], result
+    assert merge_delta > 0 and merge_delta > 10 * merge_diff, result
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else "")

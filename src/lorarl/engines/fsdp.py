@@ -295,11 +295,42 @@ class FSDPEngine:
                     yield _hf_name(prefix + name), tensor.to("cpu", copy=True)
                 unit.reshard()
 
-    # ---- checkpoint helpers --------------------------------------------------------------
+    # ---- checkpoint ------------------------------------------------------------------------
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names (collective)."""
         return self._adapter_bucketed()
+
+    def optimizer_state(self) -> dict:
+        """Full (unsharded) optimizer state keyed by parameter name (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None:
+        """Put full LoRA tensors (PEFT names) back into the shards; restore optimizer and schedule."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                key = _peft_name(name)
+                if key not in lora:
+                    raise ModelError(f"checkpoint adapter has no tensor {key}; was it saved with another model.lora config?")
+                full = lora[key].to(dtype=p.dtype)
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
+                else:
+                    p.copy_(full)
+        if optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=StateDictOptions(full_state_dict=True))
+        if scheduler is not None:
+            self.scheduler.load_state_dict({**scheduler, "lr_lambdas": [None] * len(self.optimizer.param_groups)})
+
+    def scheduler_state(self) -> dict:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
 
 
 def _jsonable(v) -> bool:

@@ -43,7 +43,11 @@ AdapterTransport = Literal["tmpfs", "memory"]
 
 @dataclass
 class Samples:
-    """Per prompt, `n` responses: token ids and the raw log-prob of each sampled token."""
+    """Per prompt, `n` responses: token ids and the log-prob of each sampled token.
+
+    Log-probs are vLLM's default "raw" ones: from the model's logits before
+    temperature and top-p, i.e. what the trainer computes for the same tokens.
+    """
 
     token_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]
@@ -141,6 +145,8 @@ class VLLMRollout:
         return 1 if self.lora_enabled else 2
 
     def num_adapters(self) -> int:
+        if not self.lora_enabled:
+            return 0  # vLLM raises on list_loras without LoRA
         return len(self._engine().llm_engine.list_loras())
 
     # ------------------------------------------------------------- generation

@@ -4,21 +4,17 @@ One instance per rank; every method is collective over the ranks of the job (the
 with the same model-parallel group data). Data parallel size is world / (TP x PP): ranks of the
 same TP/PP group must receive the same micro-batches (`dp_rank` / `dp_size` say which share).
 
-Verification status (this file cannot run on the CPU development machine):
-- Verified against the released sources (megatron-bridge 0.6.2, megatron-core 0.19.2, read from
-  the wheels): every name called here (AutoBridge.from_hf_pretrained / to_megatron_provider /
-  get_conversion_tasks / export_hf_weights / export_adapter_weights, provider.register_pre_wrap_hook /
-  finalize / provide_distributed_model, PEFT __call__ / set_params_to_save / disable_adapter,
-  get_megatron_optimizer, OptimizerConfig, DistributedDataParallelConfig, finalize_model_grads,
-  get_forward_backward_func and its keyword arguments, vocab_parallel_cross_entropy,
-  gather_from_tensor_model_parallel_region, LoRAMerge.merge) and their keyword arguments.
-- Measured on an H200 by others (ENVIRONMENT.md): provider + local spec + LoRA pre-wrap hook +
-  export_adapter_weights / export_hf_weights(merge_adapter_weights=False) at TP=1 and TP=2,
-  with wrap_with_ddp=False and plain AdamW.
-- UNVERIFIED until tests/gpu/test_megatron_gpu.py runs: Megatron DDP + distributed optimizer
-  with a LoRA-only trainable set, the forward_backward schedule driving our loss, PP > 1,
-  sequence parallel, the TE spec, and the whole mbridge path (mbridge needs TransformerEngine,
-  which the GPU machine lacks).
+Verification status:
+- Run on 2 x H200 (megatron-core 0.19.2, megatron-bridge 0.6.2, no TransformerEngine, so the
+  local spec through te_standin) by tests/gpu/test_megatron_gpu.py, logs in tests/gpu_logs/:
+  TP=1, TP=2 (fp32 and bf16), PP=2 and full recompute, each with Megatron DDP + distributed
+  optimizer, 3 PPO updates through the forward_backward schedule, log-probs (adapter on and
+  under disable_adapter) against HF + PEFT, and base / adapter / merged exports.
+- Every import and keyword argument is also checked against the released sources on CPU
+  (tests/test_megatron_engine_source.py).
+- NOT run anywhere: the TransformerEngine spec and sequence parallelism (need TE), fp16,
+  entropy_coeff != 0 with TP > 1 (the vocab gather), virtual pipeline stages, and the whole
+  mbridge path incl. merged_lora_view (mbridge builds TE layers only).
 """
 
 from __future__ import annotations
@@ -76,6 +72,7 @@ class MegatronEngine:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+        self.pad_token_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
         self.tp = int(get(self.backend, "tensor_model_parallel_size", 1))
         self.pp = int(get(self.backend, "pipeline_model_parallel_size", 1))
         self.sp = bool(get(self.backend, "sequence_parallel", False))

@@ -85,6 +85,13 @@ def import_megatron_bridge(transformer_impl: str) -> types.ModuleType:
         # Without this, get_adapter_attributes_from_linear runs isinstance() against TE classes.
         importlib.import_module("megatron.bridge.peft.utils").HAVE_TE = False
         return bridge
+    if transformer_impl == "transformer_engine" and not te_available():
+        from lorarl.errors import ConfigError
+
+        raise ConfigError(
+            "backend.transformer_impl=transformer_engine needs TransformerEngine (pip install 'transformer-engine[pytorch]'); "
+            "use backend.transformer_impl=local without it"
+        )
     return importlib.import_module("megatron.bridge")
 
 

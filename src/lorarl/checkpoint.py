@@ -1,0 +1,152 @@
+"""Checkpoints: safetensors + JSON only, written atomically, resumable.
+
+    <root>/global_step_<N>/
+        adapter/adapter_model.safetensors, adapter/adapter_config.json   (a standard PEFT folder)
+        optimizer.safetensors, optimizer.json                             (full AdamW state)
+        trainer_state.json                                                (step, data position, scheduler, RNG)
+        config.yaml                                                       (resolved run config, secrets redacted)
+        manifest.json                                                     (every file and its size; written last)
+
+A step folder is built as `global_step_<N>.tmp-*` and renamed into place only when whole,
+so a crash mid-save leaves the last good checkpoint untouched. Resume picks the newest
+folder whose manifest matches its files, falling back past truncated ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lorarl.errors import LorarlError
+
+ADAPTER_DIR = "adapter"
+STEP_RE = re.compile(r"^global_step_(\d+)$")
+
+
+def save_peft_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], adapter_config: dict) -> Path:
+    """A folder `PeftModel.from_pretrained` and vLLM `--lora-modules` both load."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+    return out
+
+
+def load_peft_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    d = Path(directory)
+    return load_file(str(d / "adapter_model.safetensors")), json.loads((d / "adapter_config.json").read_text())
+
+
+def flatten_optimizer_state(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Full optimizer state dict -> (tensors for safetensors, JSON-able rest)."""
+    tensors, scalars = {}, {}
+    for fqn, state in osd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{fqn}::{key}"] = value.detach().contiguous().cpu()
+            else:
+                scalars[f"{fqn}::{key}"] = value
+    return tensors, {"param_groups": osd["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict] = {}
+    for flat, value in [*tensors.items(), *meta["scalars"].items()]:
+        fqn, key = flat.rsplit("::", 1)
+        state.setdefault(fqn, {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+class CheckpointManager:
+    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = None):
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep
+
+    def begin(self, step: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"global_step_{step}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int) -> Path:
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
+        (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        final = self.root / f"global_step_{step}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self.prune()
+        return final
+
+    def abort(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def clean_partial(self) -> None:
+        """Temp folders of saves that never finished (a crash or a kill mid-save)."""
+        if self.root.exists():
+            for p in self.root.glob("global_step_*.tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        if not self.root.exists():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = STEP_RE.match(p.name)
+            if m and p.is_dir() and is_complete(p):
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        steps = self.complete_steps()
+        return steps[-1][1] if steps else None
+
+    def prune(self) -> None:
+        if not self.max_to_keep or self.max_to_keep <= 0:
+            return
+        steps = self.complete_steps()
+        for _, path in steps[: -self.max_to_keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def is_complete(path: Path) -> bool:
+    """Every file the manifest lists is there with its recorded size."""
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        return False
+    return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in files.items())
+
+
+def resolve_resume(mode: str, manager: CheckpointManager) -> Path | None:
+    """auto: newest complete checkpoint or none; disable: none; anything else: that folder."""
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return manager.latest()
+    path = Path(os.path.expanduser(mode))
+    if not path.is_dir() or not is_complete(path):
+        raise LorarlError(
+            f"trainer.resume_mode={mode!r}: not a complete checkpoint folder (needs manifest.json and every file it lists); "
+            "use trainer.resume_mode=auto to pick the newest complete one"
+        )
+    return path
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
