@@ -73,6 +73,17 @@ def test_changed_recipe_rebuilds(tmp_path: Path):
     assert not list(tmp_path.glob(".m.tmp-*"))  # no build left half-way
 
 
+def test_never_replaces_a_folder_it_did_not_build(tmp_path: Path):
+    from lorarl.errors import ModelError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ModelError, match="not a lorarl tiny model"):
+        tiny.ensure_tiny_model(mine, warmup_steps=0)
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
 def test_concurrent_builders_share_one_result(tmp_path: Path):
     path = tmp_path / "shared"
     script = textwrap.dedent(

@@ -154,6 +154,12 @@ class GRPOTrainer:
         final = self.out_dir / "final_adapter"
         self.group.call("export_adapter", str(final))
         tqdm.write(f"final adapter: {final}")
+        if "jsonl" in t.logger:
+            from lorarl.plot import plot
+
+            self.tracker.finish()
+            plots = plot(self.out_dir)
+            tqdm.write(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
         return last_reward
 
     # ---- checkpoints ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lorarl.data import arith
+from lorarl.errors import ModelError
 
 # Bump when anything below changes what gets built: a cached model with another
 # version is rebuilt rather than silently reused.
@@ -70,13 +71,18 @@ def ensure_tiny_model(path: str | Path, seed: int = 0, warmup_steps: int = DEFAU
         # Another process may have finished the build while this one waited.
         if _is_complete(path, recipe):
             return path
+        if path.exists() and not (path / MARKER).is_file() and any(path.iterdir()):
+            # Only ever replace what this builder made: never delete a user's folder.
+            raise ModelError(
+                f"{path} exists and is not a lorarl tiny model; point the model path at a new folder"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the model is meant to be shared
         try:
             info = _build(tmp, seed, warmup_steps)
             (tmp / MARKER).write_text(json.dumps({**recipe, **info}, indent=2))
             if path.exists():
-                shutil.rmtree(path)  # a stale or partial model from another recipe
+                shutil.rmtree(path)  # a tiny model from another recipe or builder version
             os.replace(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -161,24 +161,29 @@ class VLLMRollout:
     ) -> Samples:
         from vllm import SamplingParams
 
+        # vLLM 0.32 on CPU crashes on seeded requests whose prefill gets chunked ("CPU
+        # Generator does not use offset", seen at 50 prompts x 8 samples). There the call
+        # samples from the process RNG instead, seeded for this call and restored after.
+        per_request_seeds = seed is not None and not self._is_cpu
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
-                seed=None if seed is None else seed + i,  # distinct streams per prompt
+                seed=seed + i if per_request_seeds else None,  # distinct streams per prompt
                 logprobs=0,
                 detokenize=False,
             )
             for i in range(len(prompt_ids))
         ]
-        outs = self._engine().generate(
-            [{"prompt_token_ids": list(p)} for p in prompt_ids],
-            params,
-            lora_request=self._lora_request(),
-            use_tqdm=False,
-        )
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        with torch.random.fork_rng(devices=[], enabled=seed is not None and not per_request_seeds):
+            if seed is not None and not per_request_seeds:
+                torch.manual_seed(seed)
+            outs = self._engine().generate(
+                requests, params, lora_request=self._lora_request(), use_tqdm=False
+            )
         tokens, logprobs = [], []
         for out in outs:
             tokens.append([list(c.token_ids) for c in out.outputs])

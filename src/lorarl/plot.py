@@ -1,0 +1,84 @@
+"""PNG curves of a run (or of every job of a sweep) from metrics.jsonl.
+
+    python -m lorarl.plot outputs/2026-11-30/12-00-00_fsdp_qwen2_tiny
+    python -m lorarl.plot multirun/2026-11-30/12-00-00
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lorarl.tracking import read_metrics
+
+CURVES = {
+    "reward": ("reward/mean", "mean reward"),
+    "val_acc": ("val/acc", "validation accuracy"),
+    "kl": ("actor/kl_loss", "KL to the base model"),
+    "response_length": ("response_length/mean", "mean response length (tokens)"),
+    "sync_seconds": ("sync/seconds", "weight sync (s)"),
+}
+
+
+def run_dirs(path: Path) -> list[Path]:
+    """The path itself when it holds metrics, else every job folder below it that does."""
+    if (path / "metrics.jsonl").exists():
+        return [path]
+    return sorted(p.parent for p in path.glob("*/metrics.jsonl"))
+
+
+def plot(path: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    runs = run_dirs(path)
+    if not runs:
+        raise FileNotFoundError(f"{path}: no metrics.jsonl here or in its sub-folders; pass a run or sweep folder")
+    series = {run: read_metrics(run) for run in runs}
+    written = []
+    for stem, (key, label) in CURVES.items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drawn = False
+        for run, rows in series.items():
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=run.name if len(runs) > 1 else None)
+            drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = path / f"plot_{stem}.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="a run folder (with metrics.jsonl) or a sweep folder")
+    args = parser.parse_args(argv)
+    try:
+        for out in plot(args.path):
+            print(out)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
