@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import inspect
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -89,24 +90,43 @@ class Api:
 
 
 @lru_cache(maxsize=None)
-def _classes(tree_root: str) -> dict[str, list[ClassInfo]]:
-    out: dict[str, list[ClassInfo]] = {}
-    for path in Path(tree_root).rglob("*.py"):
-        try:
-            mod = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
+def _texts(tree_root: str) -> dict[Path, str]:
+    return {p: p.read_text(encoding="utf-8", errors="replace") for p in Path(tree_root).rglob("*.py")}
+
+
+@lru_cache(maxsize=None)
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def _classes_named(tree_root: str, name: str) -> tuple[ClassInfo, ...]:
+    # Parsing ~1500 files takes seconds; only files whose text defines the class are parsed.
+    pattern = re.compile(rf"^class {re.escape(name)}\b", re.M)
+    out = []
+    for path, text in _texts(tree_root).items():
+        if not pattern.search(text):
             continue
-        for node in mod.body:
-            if isinstance(node, ast.ClassDef):
-                bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else b.value.id if isinstance(b, ast.Subscript) and isinstance(b.value, ast.Name) else "" for b in node.bases]
-                out.setdefault(node.name, []).append(ClassInfo(node.name, path, node, bases))
-    return out
+        for node in _parse(path).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                out.append(ClassInfo(node.name, path, node, [_base_name(b) for b in node.bases]))
+    return tuple(out)
+
+
+def _base_name(b: ast.expr) -> str:
+    if isinstance(b, ast.Name):
+        return b.id
+    if isinstance(b, ast.Attribute):
+        return b.attr
+    if isinstance(b, ast.Subscript) and isinstance(b.value, ast.Name):
+        return b.value.id
+    return ""
 
 
 def _find(roots: list[Path], name: str, hint: Path | None) -> ClassInfo | None:
     """The class `name` defined in `hint` (or the module `hint` imports it from), else the
     only class of that name under `roots`."""
-    candidates = [c for r in roots for c in _classes(str(r)).get(name, [])]
+    candidates = [c for r in roots for c in _classes_named(str(r), name)]
     if hint is not None:
         same = [c for c in candidates if c.path == hint]
         if same:

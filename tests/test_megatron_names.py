@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import json
 import types
-from pathlib import Path
 
 import pytest
 import torch

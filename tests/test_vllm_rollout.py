@@ -26,7 +26,7 @@ MAX_LEN = 128
 
 def make_rollout(path: Path, **kw) -> VLLMRollout:
     kw.setdefault("lora_rank", 8)
-    return VLLMRollout(path, max_model_len=MAX_LEN, seed=0, max_num_seqs=16, **kw)
+    return VLLMRollout(path, max_model_len=MAX_LEN, seed=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +142,21 @@ def test_rollout_owns_its_adapter_tensors(rollout, peft_model, hf_base, prompts)
     rollout.apply(WeightPayload.base(hf_base.state_dict().items()))
     assert rollout.num_adapters() == 1
     assert vllm_greedy(rollout, prompts) == want
+
+
+def test_seeded_sampling_is_reproducible_at_batch_scale(rollout, tiny_tokenizer):
+    # 400 sequences: enough that vLLM chunks prefills, which crashed seeded CPU sampling.
+    prompts = [prompt_ids(tiny_tokenizer, r["prompt"]) for r in arith.make_rows(50, seed=1, split="train")]
+    torch.manual_seed(0)
+    expected_next = torch.rand(1)
+    torch.manual_seed(0)
+    a = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=5)
+    assert torch.equal(torch.rand(1), expected_next)  # the caller's RNG stream is untouched
+    b = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=5)
+    c = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=6)
+    assert len(a) == 50 and all(len(g) == 8 for g in a)
+    assert a == b and a != c
+    assert any(len(set(map(tuple, g))) > 1 for g in a)  # n samples differ within a group
 
 
 def test_rank_above_the_engine_limit_is_refused(rollout, tiny_model_path: Path):

@@ -164,23 +164,24 @@ class VLLMRollout:
         # vLLM 0.32 on CPU crashes on seeded requests whose prefill gets chunked ("CPU
         # Generator does not use offset", seen at 50 prompts x 8 samples). There the call
         # samples from the process RNG instead, seeded for this call and restored after.
-        per_request_seeds = seed is not None and not self._is_cpu
+        process_seed = seed if self._is_cpu else None
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
-                seed=seed + i if per_request_seeds else None,  # distinct streams per prompt
+                # Distinct streams per prompt, independent of how vLLM batches them.
+                seed=None if seed is None or process_seed is not None else seed + i,
                 logprobs=0,
                 detokenize=False,
             )
             for i in range(len(prompt_ids))
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        with torch.random.fork_rng(devices=[], enabled=seed is not None and not per_request_seeds):
-            if seed is not None and not per_request_seeds:
-                torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[], enabled=process_seed is not None):
+            if process_seed is not None:
+                torch.manual_seed(process_seed)
             outs = self._engine().generate(
                 requests, params, lora_request=self._lora_request(), use_tqdm=False
             )
