@@ -316,6 +316,10 @@ def validate(run: RunConfig) -> None:
     _check(0.0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p} must be in (0, 1]")
     _check(r.val_kwargs.n >= 1, f"rollout.val_kwargs.n={r.val_kwargs.n} must be >= 1")
     _check(
+        r.val_kwargs.n == 1 or r.val_kwargs.do_sample,
+        f"rollout.val_kwargs.n={r.val_kwargs.n} with do_sample=false would repeat one greedy answer; set rollout.val_kwargs.do_sample=true",
+    )
+    _check(
         not (r.layered_summon and r.load_format == "dummy"),
         "rollout.layered_summon=true exports only the adapter, so vLLM must load the base from disk: "
         "set rollout.load_format=auto (or safetensors), or rollout.layered_summon=false",

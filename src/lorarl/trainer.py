@@ -191,9 +191,9 @@ class GRPOTrainer:
         r, d = self.run.rollout, self.run.data
         t_step = time.perf_counter()
         prompts = self.loader.next_batch()
-        shards = _split(prompts, self.group.world_size)
+        shards = _split(prompts, self.group.dp_size)
         seed = self.run.trainer.seed * 1_000_003 + self.step
-        gen = self.group.call_each(
+        gen = self.group.call_dp(
             "generate",
             [([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i) for i, shard in enumerate(shards)],
         )
@@ -220,7 +220,7 @@ class GRPOTrainer:
 
         t0 = time.perf_counter()
         sleep_s = self.group.call("sleep")[0]
-        train = self.group.call_each("train_step", per_worker)
+        train = self.group.call_dp("train_step", per_worker)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
         syncs = self.group.call("sync")
@@ -257,9 +257,9 @@ class GRPOTrainer:
         """Reward and accuracy on data.val_files with rollout.val_kwargs, per data source."""
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0
-        shards = _split(self.val_items, self.group.world_size)
+        shards = _split(self.val_items, self.group.dp_size)
         t0 = time.perf_counter()
-        gen = self.group.call_each(
+        gen = self.group.call_dp(
             "generate",
             [([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i) for i, shard in enumerate(shards)],
         )

@@ -53,8 +53,8 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        from lorarl.engines.fsdp import FSDPEngine
+    def setup(self, master_addr: str, master_port: int) -> tuple[int, int]:
+        """Process group, rollout, then engine. Returns (dp_rank, dp_size) of this worker."""
         from lorarl.rollout.vllm import VLLMRollout
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -79,9 +79,19 @@ class Worker:
             enable_sleep_mode=self._sleeps,
             adapter_transport=r.adapter_transport,
         )
-        self.engine = FSDPEngine(self.run, self.device)
+        self.engine = make_engine(self.run, self.device)
         if self._sleeps:
             self.rollout.sleep()
+        return self.dp_rank, self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Workers with the same dp_rank hold one model replica (tensor/pipeline parallel) and get the same data."""
+        return getattr(self.engine, "dp_rank", self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return getattr(self.engine, "dp_size", self.world_size)
 
     @property
     def _sleeps(self) -> bool:
@@ -99,7 +109,7 @@ class Worker:
     def train_step(self, prompts: list[list[int]], responses: list[list[int]], advantages: list[float], step: int) -> dict:
         """Old and reference log-probs, then the PPO update. Collective over all workers."""
         timing = {}
-        pad = self.engine.model.config.pad_token_id or 0
+        pad = self.engine.pad_token_id
         batch = build_batch(prompts, responses, pad, advantages)
         t0 = time.perf_counter()
         batch.old_logp = self.engine.log_probs(batch)
@@ -237,6 +247,17 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
+
+
+def make_engine(run: RunConfig, device: torch.device):
+    """The training engine the backend names; both expose the same methods to the worker."""
+    if run.backend.strategy == "megatron":
+        from lorarl.engines.megatron.engine import MegatronEngine
+
+        return MegatronEngine(run, device)
+    from lorarl.engines.fsdp import FSDPEngine
+
+    return FSDPEngine(run, device)
 
 
 def worker_env() -> dict[str, str]:

@@ -53,7 +53,17 @@ class WorkerGroup:
             for i in range(self.world_size)
         ]
         addr, port = self._get([self.workers[0].node_address.remote()])[0]
-        self.call("setup", addr, port)
+        self.dp = self.call("setup", addr, port)  # (dp_rank, dp_size) per worker
+        self.dp_size = self.dp[0][1]
+
+    def call_dp(self, method: str, per_replica_args: list[tuple]) -> list[Any]:
+        """One argument tuple per data-parallel replica, sent to every worker of that replica;
+        returns one result per replica (from its first worker)."""
+        results = self.call_each(method, [per_replica_args[dp_rank] for dp_rank, _ in self.dp])
+        first = {}
+        for (dp_rank, _), result in zip(self.dp, results):
+            first.setdefault(dp_rank, result)
+        return [first[i] for i in range(self.dp_size)]
 
     def call(self, method: str, *args, **kwargs) -> list[Any]:
         """The same call on every worker (collectives inside stay in lockstep)."""

@@ -113,6 +113,11 @@ class FSDPEngine:
         )
         self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
 
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.model.config.pad_token_id
+        return 0 if pad is None else int(pad)
+
     # ---- forward -------------------------------------------------------------------------
 
     def _forward(self, mb: TrainBatch, with_entropy: bool, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -280,6 +285,7 @@ class FSDPEngine:
     def _base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Plain-HF-named base weights, one FSDP unit unsharded at a time; merged W + BA if asked."""
         scale = self.run.model.lora.alpha / self.run.model.lora.rank
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         with torch.no_grad():
             for prefix, unit in _fsdp_units(self.model):
                 unit.unshard()
@@ -292,7 +298,12 @@ class FSDPEngine:
                         stem = name[: -len(".base_layer.weight")]
                         a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
                         tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
-                    yield _hf_name(prefix + name), tensor.to("cpu", copy=True)
+                    hf_name = _hf_name(prefix + name)
+                    yield hf_name, tensor.to("cpu", copy=True)
+                    if hf_name == "model.embed_tokens.weight" and tied:
+                        # HF state dicts list a tied head under its own name too; vLLM's
+                        # in-place reload only refreshes lm_head when it is sent.
+                        yield "lm_head.weight", tensor.to("cpu", copy=True)
                 unit.reshard()
 
     # ---- checkpoint ------------------------------------------------------------------------

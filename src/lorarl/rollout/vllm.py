@@ -255,7 +255,9 @@ class VLLMRollout:
             # reload_weights, not load_weights: on CPU vLLM re-packs linear weights into
             # its GEMM layout and leaves empty placeholders, so raw parameter writes land
             # nowhere; the reload path re-runs that processing, with or without LoRA.
-            self._engine().collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+            live = self._live_param_names()
+            resolved = ((resolve_base_name(name, live), tensor) for name, tensor in counted())
+            self._engine().collective_rpc("reload_weights", kwargs={"weights_iterator": resolved})
         except Exception as exc:
             # Close vLLM's half-done reload so the next base payload starts clean (without
             # this, a second failed sync in a row wedged every later reload).
@@ -271,6 +273,13 @@ class VLLMRollout:
             # vLLM drops every adapter when base weights are replaced; put ours back.
             stats.load_s += self._load_adapter()
         return stats
+
+    def _live_param_names(self) -> frozenset[str]:
+        """Parameter names that need `.base_layer` spelled out (empty where the engine's
+        LoRA wrappers load plain HF names themselves), read once from the live model."""
+        if getattr(self, "_param_names", None) is None:
+            self._param_names = frozenset(self._engine().collective_rpc(_wrapped_param_names)[0])
+        return self._param_names
 
     def _apply_adapter(self, payload: WeightPayload) -> SyncStats:
         if not self.lora_enabled:
@@ -411,6 +420,46 @@ def _resolve_dtype(model_path: str | os.PathLike, dtype: str) -> str:
     except (OSError, json.JSONDecodeError):
         return dtype
     return "float32" if saved.get("dtype", saved.get("torch_dtype")) == "float32" else dtype
+
+
+# vLLM fuses these HF projections into one parameter; with LoRA enabled it wraps the fused
+# linear and (depending on the version) keeps its weight under `.base_layer`.
+_FUSED_INTO = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+    "o_proj": "o_proj", "down_proj": "down_proj",
+}
+
+
+def resolve_base_name(name: str, live: frozenset[str]) -> str:
+    """The name vLLM's loader needs for plain HF weight `name`, decided by the live engine:
+    `.base_layer` goes in only where the live model keeps the wrapped linear's weight there."""
+    module, _, leaf = name.rpartition(".")
+    prefix, _, proj = module.rpartition(".")
+    fused = _FUSED_INTO.get(proj)
+    if fused is None or leaf not in ("weight", "bias"):
+        return name
+    if f"{prefix}.{fused}.base_layer.{leaf}" in live:
+        return f"{module}.base_layer.{leaf}"
+    return name
+
+
+def _wrapped_param_names(worker) -> list[str]:
+    """Live names under `.base_layer` whose LoRA wrapper cannot take the plain HF name.
+
+    vLLM 0.26 (GPU) wrappers have no loader of their own, so `q_proj.weight` must arrive as
+    `q_proj.base_layer.weight`; vLLM 0.32's wrappers define `load_weights` and forward to the
+    wrapped layer, so plain names are right there and `.base_layer` ones fail."""
+    model = worker.model_runner.get_model()
+    out = []
+    for module_name, module in model.named_modules():
+        base = getattr(module, "_modules", {}).get("base_layer")
+        if base is None or "load_weights" in type(module).__dict__ or any(
+            "load_weights" in c.__dict__ for c in type(module).__mro__[1:] if c.__name__.endswith("WithLoRA")
+        ):
+            continue
+        out += [f"{module_name}.base_layer.{n}" for n, _ in base.named_parameters(recurse=False)]
+    return out
 
 
 def _finish_interrupted_reload(worker) -> None:

@@ -1,0 +1,210 @@
+"""A few GRPO-LoRA steps on GPUs: colocated FSDP2 (NCCL) + vLLM (CUDA, sleep mode) per rank.
+
+    torchrun --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b --steps 4 --out DIR
+
+Each rank drives its own `Worker` (the same class the Ray trainer places on every device):
+generate -> reward -> GRPO advantages -> sleep vLLM -> old/ref log-probs + PPO update ->
+wake + adapter sync + parity probe. Rank 0 writes DIR/<model>_<world>gpu.json with per-step
+timings, sync sizes, probe differences, adapter counts and peak memory, then runs the
+sleep/wake regression: level-1 sleep keeps the base (generation unchanged), level-2 sleep
+drops it and the next sync must resend it.
+
+The 0.5B case uses random weights with Qwen2.5-0.5B's real shape (nothing can be
+downloaded on the GPU machine) and a reward that prefers low token ids, so advantages are
+non-zero and the adapter moves; the tiny case uses the warmed-up embedded model and the
+real arithmetic reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+# One visible GPU per rank, as Ray gives each worker: vLLM's in-process engine then uses cuda:0.
+os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist
+
+QWEN2_5_0_5B = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+)
+
+
+def build_model(kind: str, root: Path) -> Path:
+    from lorarl.models.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model(root / "qwen2_tiny")
+    if kind == "tiny":
+        return tiny
+    path = root / "qwen2_5_0_5b_random"
+    if not (path / "config.json").exists():
+        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(tiny)
+        cfg = Qwen2Config(**QWEN2_5_0_5B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        tmp = path.with_name(path.name + ".tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def make_run(model_path: Path, world: int, kind: str, n: int, batch: int):
+    from lorarl.config import (
+        ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, ModelConfig, OptimConfig,
+        RolloutConfig, RunConfig, TrainerConfig,
+    )
+
+    tiny = kind == "tiny"
+    return RunConfig(
+        model=ModelConfig(path=str(model_path), dtype="float32" if tiny else "bfloat16",
+                          enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32)),
+        data=DataConfig(train_files=["unused"], train_batch_size=batch * world, max_prompt_length=64, max_response_length=8 if tiny else 128),
+        rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny),
+        actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * world,
+                          ppo_micro_batch_size_per_gpu=batch * n, use_kl_loss=True),
+        algorithm=AlgorithmConfig(),
+        trainer=TrainerConfig(n_gpus_per_node=world, device="cuda", check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25),
+        backend=FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16"),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["tiny", "qwen2_5_0_5b"], default="tiny")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="prompts per rank per step")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache", default="/tmp/lorarl_gpu")
+    args = ap.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+
+    from lorarl import algorithms
+    from lorarl.data.arith import make_rows
+    from lorarl.rewards import get_reward_fn
+    from lorarl.worker import Worker
+
+    root = Path(args.cache)
+    if rank == 0:
+        build_model(args.model, root)
+    model_path = None
+    while model_path is None:  # no process group yet: wait for rank 0's files
+        try:
+            model_path = build_model(args.model, root) if rank == 0 else _wait(args.model, root)
+        except FileNotFoundError:
+            time.sleep(1)
+    run = make_run(model_path, world, args.model, args.n, args.batch)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    t0 = time.perf_counter()
+    worker = Worker(run, rank, world, "cuda")
+    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
+    setup_s = time.perf_counter() - t0
+    first = worker.sync()
+
+    rows = make_rows(args.batch * world * (args.steps + 1), seed=1, split="train")
+    mine = rows[rank::world]
+    arith = get_reward_fn("arith")
+    vocab_half = len(tok) // 2
+    log = []
+    for step in range(1, args.steps + 1):
+        torch.cuda.reset_peak_memory_stats()
+        t_step = time.perf_counter()
+        batch = mine[(step - 1) * args.batch: step * args.batch]
+        prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch]
+        responses, t_gen = worker.generate(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + rank)
+        p_ids, r_ids, rewards, groups = [], [], [], []
+        for g, (row, prompt, samples) in enumerate(zip(batch, prompts, responses)):
+            for s in samples:
+                p_ids.append(prompt)
+                r_ids.append(s)
+                groups.append(g)
+                if args.model == "tiny":
+                    rewards.append(arith(tok.decode(s, skip_special_tokens=True), row["reward_model"]["ground_truth"], None))
+                else:  # random weights: reward the share of low token ids so groups differ
+                    rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
+        adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
+        if step == 1:
+            worker.set_probe(p_ids[0] + r_ids[0], len(p_ids[0]))
+        t_sleep = worker.sleep()
+        train = worker.train_step(p_ids, r_ids, adv, step)
+        t_sync0 = time.perf_counter()
+        sync = worker.sync()
+        t_sync = time.perf_counter() - t_sync0
+        tokens = sum(len(r) for r in r_ids)
+        log.append({
+            "step": step, "reward/mean": sum(rewards) / len(rewards), "timing/gen": t_gen, "timing/sleep": t_sleep,
+            "timing/old_logp": train["timing/old_logp"], "timing/ref_logp": train.get("timing/ref_logp", 0.0),
+            "timing/update": train["timing/update"], "timing/sync_wall": t_sync, "timing/step": time.perf_counter() - t_step,
+            "rollout/tokens_per_s": tokens / t_gen, "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "actor/grad_norm": train["actor/grad_norm"], "actor/kl_loss": train["actor/kl_loss"],
+            **{k: v for k, v in sync.items()},
+        })
+        assert sync["sync/kind"] == "adapter", sync
+        assert sync["sync/num_adapters"] == 1, sync
+        if rank == 0:
+            print(json.dumps(log[-1]), flush=True)
+
+    # Rollout speed with and without the adapter, same prompts (greedy, 128 new tokens).
+    prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]]
+    speed = {}
+    for label, lora in (("adapter", True), ("base", False)):
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True, detokenize=False)
+        llm = worker.rollout._engine()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=worker.rollout._lora_request() if lora else None, use_tqdm=False)
+        secs = time.perf_counter() - start
+        speed[label] = sum(len(o.outputs[0].token_ids) for o in outs) / secs
+
+    # Sleep/wake regression (collective syncs: every rank runs it).
+    greedy = lambda: worker.rollout.generate(prompts[:8], n=1, temperature=0.0, max_tokens=16)  # noqa: E731
+    before = greedy()
+    worker.rollout.sleep(level=1)
+    worker.rollout.wake_up()
+    after_l1 = greedy()
+    listed_before_l2 = worker.rollout.num_adapters()
+    worker.rollout.sleep(level=2)
+    base_loaded_after_l2 = worker.rollout.base_loaded
+    listed_after_l2 = worker.rollout.num_adapters()
+    resend = worker.sync()  # wakes, sees the base is gone, resends base + adapter
+    after_l2 = greedy()
+    regression = {
+        "level1_generation_unchanged": before == after_l1,
+        "adapters_listed_before_level2": listed_before_l2,
+        "adapters_listed_after_level2_sleep": listed_after_l2,
+        "base_loaded_after_level2_sleep": base_loaded_after_l2,
+        "sync_after_level2": resend["sync/kind"],
+        "level2_resend_generation_unchanged": before == after_l2,
+    }
+    worker.shutdown()
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
+                  "rollout_tokens_per_s": speed, "sleep_wake": regression, "device": torch.cuda.get_device_name()}
+        (out / f"grpo_{args.model}_{world}gpu.json").write_text(json.dumps(result, indent=1))
+        print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
+
+
+def _wait(kind: str, root: Path) -> Path:
+    path = root / ("qwen2_tiny" if kind == "tiny" else "qwen2_5_0_5b_random")
+    marker = path / "config.json"
+    if not marker.exists() or (kind == "tiny" and not any(path.glob("lorarl*"))):
+        raise FileNotFoundError(path)
+    return path
+
+
+if __name__ == "__main__":
+    main()
