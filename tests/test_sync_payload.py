@@ -141,7 +141,7 @@ def test_base_payload_rejects_an_adapter_config(hf_state, peft_parts):
 
 
 def test_kind_must_be_known(hf_state):
-    with pytest.raises(ValueError):
+    with pytest.raises(SyncError, match="neither 'base' nor 'adapter'"):
         WeightPayload("lora", hf_state)
 
 

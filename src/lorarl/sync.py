@@ -51,7 +51,10 @@ class WeightPayload:
     def __post_init__(self) -> None:
         # Validation lives here, not in the constructors, so no payload can be built
         # around it.
-        kind = PayloadKind(self.kind)
+        try:
+            kind = PayloadKind(self.kind)
+        except ValueError:
+            raise SyncError(f"payload kind {self.kind!r} is neither 'base' nor 'adapter'") from None
         object.__setattr__(self, "kind", kind)
         if kind is PayloadKind.ADAPTER:
             tensors = _validate_adapter_tensors(self.tensors)

@@ -87,6 +87,15 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import faulthandler
+    import sys
+
+    # A hang must leave a trace: every thread's stack after 240 s, then exit.
+    faulthandler.dump_traceback_later(int(os.environ.get("LORARL_GPU_HANG_S", "240")), exit=True, file=sys.stderr)
+
+    def phase(msg: str) -> None:
+        print(f"[rank {rank}] {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
 
@@ -106,11 +115,14 @@ def main() -> None:
             time.sleep(1)
     run = make_run(model_path, world, args.model, args.n, args.batch)
     tok = AutoTokenizer.from_pretrained(model_path)
+    phase(f"model ready at {model_path}; setting up worker")
     t0 = time.perf_counter()
     worker = Worker(run, rank, world, "cuda")
     worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
     setup_s = time.perf_counter() - t0
+    phase(f"worker set up in {setup_s:.1f} s; first sync")
     first = worker.sync()
+    phase(f"first sync: {first}")
 
     rows = make_rows(args.batch * world * (args.steps + 1), seed=1, split="train")
     mine = rows[rank::world]
@@ -155,6 +167,7 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(log[-1]), flush=True)
 
+    phase("steps done; measuring rollout speed")
     # Rollout speed with and without the adapter, same prompts (greedy, 128 new tokens).
     prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]]
     speed = {}
@@ -168,6 +181,7 @@ def main() -> None:
         secs = time.perf_counter() - start
         speed[label] = sum(len(o.outputs[0].token_ids) for o in outs) / secs
 
+    phase(f"rollout tokens/s {speed}; sleep/wake regression")
     # Sleep/wake regression (collective syncs: every rank runs it).
     greedy = lambda: worker.rollout.generate(prompts[:8], n=1, temperature=0.0, max_tokens=16)  # noqa: E731
     before = greedy()
