@@ -1,0 +1,71 @@
+"""Metric sinks: jsonl rows, an offline wandb run with the resolved config, no secrets anywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lorarl.plot import plot
+from lorarl.sweep import write_summary
+from lorarl.tracking import Tracker, read_metrics, redact
+
+
+def test_jsonl_rows_and_plots(tmp_path):
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {"a": 1})
+    for step in range(1, 4):
+        t.log({"reward/mean": step / 10, "actor/kl_loss": 0.01 * step, "sync/seconds": 0.005, "response_length/mean": 3.0}, step)
+    t.finish()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["reward/mean"] == pytest.approx(0.3)
+    written = {p.name for p in plot(tmp_path)}
+    assert {"plot_reward.png", "plot_kl.png", "plot_sync_seconds.png", "plot_response_length.png"} <= written
+    assert (tmp_path / "plot_reward.png").stat().st_size > 1000
+
+
+def test_plot_cli_rejects_a_folder_without_metrics(tmp_path):
+    from lorarl.plot import main
+
+    assert main([str(tmp_path)]) == 1
+
+
+def test_redact_blanks_secret_keys():
+    cfg = {"trainer": {"wandb_api_key": "abc", "project_name": "p"}, "hf_token": "t", "x": [{"password": "pw"}]}
+    out = redact(cfg)
+    assert out["trainer"]["wandb_api_key"] == "<redacted>" and out["trainer"]["project_name"] == "p"
+    assert out["hf_token"] == "<redacted>" and out["x"][0]["password"] == "<redacted>"
+
+
+def test_wandb_offline_gets_config_and_metrics_but_no_secret(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", "secret-wandb-key-123")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = {"model": {"path": "m", "lora": {"rank": 8}}, "trainer": {"api_key": "secret-wandb-key-123"}}
+    t = Tracker(["jsonl", "wandb"], tmp_path, "lorarl-test", "offline", config)
+    t.log({"reward/mean": 0.5, "sync/kind": "adapter"}, step=1)
+    t.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    # Offline runs keep config and history in the run's .wandb record until `wandb sync`.
+    record = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"lora" in record and b"reward/mean" in record
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert b"secret-wandb-key-123" not in path.read_bytes(), path
+
+
+def test_sweep_summary_from_job_folders(tmp_path):
+    for i, reward in enumerate([0.2, 0.6]):
+        job = tmp_path / f"{i}_fsdp_qwen2_tiny_r{8 * (i + 1)}"
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- model.lora.rank={8 * (i + 1)}\n")
+        rows = [{"step": s, "reward/mean": reward, "timing/step": 0.5, "sync/seconds": 0.01} for s in range(1, 6)]
+        rows.append({"step": 5, "val/acc": reward + 0.1})
+        (job / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    md, csv_path = write_summary(tmp_path)
+    text = md.read_text()
+    assert "model.lora.rank=8" in text and "model.lora.rank=16" in text
+    lines = csv_path.read_text().strip().splitlines()
+    assert lines[0].startswith("job,overrides,steps,final_reward,val_acc")
+    assert lines[2].split(",")[3:5] == ["0.6", "0.7"]
