@@ -12,4 +12,4 @@ STEPS=${STEPS:-10}
 SWEEP=("model.lora.rank=$RANKS" "actor.optim.lr=$LRS")
 TRAINER=(trainer.device=cpu "trainer.total_steps=$STEPS" trainer.progress_bar=false)
 
-exec "$PYTHON" -m recipes.grpo -m +backend=fsdp "${SWEEP[@]}" "${TRAINER[@]}" "$@"
+exec "$PYTHON" -m recipes.grpo hydra.mode=MULTIRUN +backend=fsdp "${SWEEP[@]}" "${TRAINER[@]}" "$@"
