@@ -18,6 +18,6 @@ BACKEND=("backend.tensor_model_parallel_size=$TP" "backend.pipeline_model_parall
 DATA=(data=gsm8k "data.train_files=[$DATA_DIR/train.parquet]" "data.val_files=[$DATA_DIR/test.parquet]" data.train_batch_size=32)
 ROLLOUT=(rollout.n=5 rollout.gpu_memory_utilization=0.4)
 ACTOR=(actor.optim.lr=3e-6 actor.ppo_mini_batch_size=16 actor.ppo_micro_batch_size_per_gpu=4)
-TRAINER=("trainer.n_gpus_per_node=$NGPUS" trainer.total_epochs=15 trainer.test_freq=5 trainer.save_freq=20)
+TRAINER=("trainer.n_gpus_per_node=$NGPUS" trainer.total_epochs=15 trainer.test_freq=5)
 
 exec "$PYTHON" -m recipes.grpo +backend=megatron "${MODEL[@]}" "${BACKEND[@]}" "${DATA[@]}" "${ROLLOUT[@]}" "${ACTOR[@]}" "${TRAINER[@]}" "$@"

@@ -52,8 +52,35 @@ def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     for key in ("reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
                 "sync/num_tensors", "sync/bytes", "sync/seconds", "timing/gen", "timing/update", "timing/step"):
         assert key in rows[0], key
-    assert (tmp_path / "run" / "final_adapter" / "adapter_model.safetensors").exists()
     assert (tmp_path / "run" / "plot_reward.png").exists()
+    check_adapter_loads_in_peft_and_vllm(tmp_path / "run" / "final_adapter", cache / "qwen2_tiny")
+
+
+def check_adapter_loads_in_peft_and_vllm(adapter_dir: Path, base_path: Path) -> None:
+    """The exported folder is a standard PEFT adapter: HF+PEFT and vLLM (by path) load it and agree."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]).resolve() == base_path.resolve()
+    tok = AutoTokenizer.from_pretrained(base_path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+                                       add_generation_prompt=True, tokenize=True)["input_ids"] for a, b in ((1, 2), (3, 4), (5, 2))]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter_dir).eval()
+    hf = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        hf.append(out[0, len(p):].tolist())
+    llm = LLM(model=str(base_path), enable_lora=True, max_lora_rank=config["r"], max_loras=1, max_model_len=128,
+              enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0.0),
+                        lora_request=LoRARequest("final", 1, str(adapter_dir)), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert [g[: len(h)] for g, h in zip(got, hf)] == hf
+    del llm
 
 
 def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):

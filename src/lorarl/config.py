@@ -398,6 +398,11 @@ def validate(run: RunConfig) -> None:
             f"model.lora.rank={lora.rank} must be divisible by backend.tensor_model_parallel_size={b.tensor_model_parallel_size}",
         )
         _check(
+            t.save_freq <= 0,
+            "trainer.save_freq: mid-run checkpoints are not supported with +backend=megatron yet (the final adapter is "
+            "still exported); set trainer.save_freq=-1 or use +backend=fsdp",
+        )
+        _check(
             b.bridge != "mbridge" or lora.merge,
             "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or backend.bridge=megatron_bridge",
         )
