@@ -41,9 +41,14 @@ def cache(tiny_model_path) -> Path:
 
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     """If rollouts did not use the trained adapter, reward could not climb: this is the proof."""
-    out = grpo(tmp_path / "run", cache, "trainer.total_steps=40", "trainer.device=cpu")
+    out = grpo(tmp_path / "run", cache, "trainer.total_steps=40", "trainer.device=cpu", "trainer.val_before_train=true", "trainer.test_freq=20")
     assert out.returncode == 0, out.stderr[-5000:]
     rows = metrics(tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in lines if "val/acc" in r]
+    assert [r["step"] for r in vals] == [0, 20, 40]
+    assert {"val/arith/reward/mean", "val/arith/acc/mean@1", "val/arith/acc/pass@1"} <= vals[0].keys()
+    assert 0.0 < vals[0]["val/acc"] < 1.0
     assert len(rows) == 40
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10

@@ -20,8 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lorarl import algorithms
+from lorarl.rewards import gsm8k
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
+from lorarl.errors import LorarlError
 from lorarl.tracking import Tracker, redact
 
 
@@ -77,9 +79,9 @@ def run(cfg: DictConfig) -> float | None:
 
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
-        from transformers import AutoConfig, AutoTokenizer
-
         from lorarl.data.dataset import PromptLoader, build_prompts, load_rows
+        from lorarl.preflight import check_model, load_tokenizer
+        from lorarl.rewards import check_items
 
         self.run = run
         self.out_dir = Path(out_dir)
@@ -89,23 +91,27 @@ class GRPOTrainer:
         if run.backend.strategy == "megatron" and self.device != "cuda":
             from lorarl.errors import ConfigError
 
-            raise ConfigError("the Megatron backend needs CUDA GPUs (none found); use +backend=fsdp on CPU")
-        model_path = prepare_model(run)
+            why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"trainer.device={run.trainer.device}"
+            raise ConfigError(f"+backend=megatron requires CUDA ({why}); use +backend=fsdp to train on CPU")
+        prepare_model(run)
         prepare_data(run)
-        hf_cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=run.model.trust_remote_code)
+        # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
+        hf_cfg = check_model(run)
         check_model_shape(run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=run.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(run)
         d = run.data
         items, dropped = build_prompts(
             load_rows(d.train_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
         )
         self.dropped_prompts = dropped
+        check_items(items, d.reward_fn)
         self.loader = PromptLoader(items, d.train_batch_size, shuffle=d.shuffle, seed=run.trainer.seed)
         self.val_items = []
         if d.val_files and (run.trainer.test_freq > 0 or run.trainer.val_before_train):
             self.val_items, _ = build_prompts(
                 load_rows(d.val_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
             )
+            check_items(self.val_items, d.reward_fn)
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
@@ -141,11 +147,14 @@ class GRPOTrainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", disable=not t.progress_bar, dynamic_ncols=True)
         while self.step < self.total_steps:
             self.step += 1
-            metrics = self.train_step()
-            if t.test_freq > 0 and self.val_items and (self.step % t.test_freq == 0 or self.step == self.total_steps):
-                metrics.update(self.validate())
-            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
-                metrics["timing/save"] = self.save_checkpoint()
+            try:
+                metrics = self.train_step()
+                if t.test_freq > 0 and self.val_items and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                    metrics.update(self.validate())
+                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                    metrics["timing/save"] = self.save_checkpoint()
+            except LorarlError as err:
+                raise type(err)(self._stopped_at(err)) from err
             self.tracker.log(metrics, step=self.step)
             last_reward = metrics["reward/mean"]
             bar.update(1)
@@ -161,6 +170,16 @@ class GRPOTrainer:
             plots = plot(self.out_dir)
             tqdm.write(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
         return last_reward
+
+    def _stopped_at(self, err: LorarlError) -> str:
+        """The error with the step it stopped at and the checkpoint a relaunch would resume from."""
+        msg = str(err)
+        if not msg.startswith(f"step {self.step}:"):
+            msg = f"step {self.step}: {msg}"
+        latest = self.ckpt.latest()
+        if latest is None:
+            return f"{msg}; no checkpoint was saved (trainer.save_freq={self.run.trainer.save_freq})"
+        return f"{msg}; last complete checkpoint: {latest} (relaunch with the same hydra.run.dir to resume from it)"
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -263,20 +282,25 @@ class GRPOTrainer:
             "generate",
             [([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i) for i, shard in enumerate(shards)],
         )
-        by_source: dict[str, list[list[float]]] = {}
+        rewards: dict[str, list[list[float]]] = {}
+        flexible: dict[str, list[list[float]]] = {}
         for shard, (responses, _) in zip(shards, gen):
             for item, samples in zip(shard, responses):
-                by_source.setdefault(item.data_source, []).append([self.score(item, s) for s in samples])
+                rewards.setdefault(item.data_source, []).append([self.score(item, s) for s in samples])
+                if item.data_source in GSM8K_SOURCES:
+                    texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in samples]
+                    flexible.setdefault(item.data_source, []).append(
+                        [gsm8k.score(t, item.ground_truth, method="flexible") for t in texts]
+                    )
         out = {"timing/val": time.perf_counter() - t0}
         accs = []
-        for source, scores in by_source.items():
+        for source, scores in rewards.items():
             flat = [s for row in scores for s in row]
-            acc = [[1.0 if s >= 1.0 else 0.0 for s in row] for row in scores]
-            mean_n = sum(sum(row) / len(row) for row in acc) / len(acc)
             out[f"val/{source}/reward/mean"] = sum(flat) / len(flat)
-            out[f"val/{source}/acc/mean@{vk.n}"] = mean_n
-            out[f"val/{source}/acc/pass@{vk.n}"] = sum(max(row) for row in acc) / len(acc)
-            accs.append(mean_n)
+            out.update(accuracy(scores, vk.n, f"val/{source}/acc"))
+            accs.append(out[f"val/{source}/acc/mean@{vk.n}"])
+        for source, scores in flexible.items():
+            out.update(accuracy(scores, vk.n, f"val/{source}/acc_flexible"))
         out["val/acc"] = sum(accs) / len(accs)
         return out
 
@@ -287,6 +311,19 @@ class GRPOTrainer:
         if self.tracker is not None:
             self.tracker.finish()
             self.tracker = None
+
+
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+
+
+def accuracy(scores: list[list[float]], n: int, prefix: str) -> dict[str, float]:
+    """mean@n (average correctness over all samples) and pass@n (any sample right), per prompt
+    then averaged; a sample is right when it earns the full score (format-only credit is not)."""
+    right = [[1.0 if s >= 1.0 else 0.0 for s in row] for row in scores]
+    return {
+        f"{prefix}/mean@{n}": sum(sum(row) / len(row) for row in right) / len(right),
+        f"{prefix}/pass@{n}": sum(max(row) for row in right) / len(right),
+    }
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -9,6 +9,8 @@ every call waits on all workers and re-raises the first failure.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from typing import Any
 
 from lorarl.config import RunConfig
@@ -21,7 +23,13 @@ class WorkerGroup:
         import ray
 
         self.world_size = run.world_size
+        self.workers: list = []
+        self.pg = None
         started_ray = not ray.is_initialized()
+        # ray.init replaces the driver's SIGTERM handler with one that kills Ray's processes
+        # and exits at once; a handler the caller installed (recipes/grpo.py turns SIGTERM into
+        # an orderly shutdown through this class) is put back.
+        sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if started_ray:
             env = {"env_vars": worker_env()}
             if os.environ.get("RAY_ADDRESS"):
@@ -35,7 +43,20 @@ class WorkerGroup:
                     configure_logging=True,
                     log_to_driver=True,
                 )
+        if callable(sigterm):
+            signal.signal(signal.SIGTERM, sigterm)
         self._owns_ray = started_ray
+        try:
+            self._start(run, device)
+        except BaseException:
+            # A worker that failed in setup, or a signal while waiting: leave no actors, placement
+            # group or Ray processes behind.
+            self.shutdown()
+            raise
+
+    def _start(self, run: RunConfig, device: str) -> None:
+        import ray
+
         per_worker_threads = max(1, (os.cpu_count() or 1) // self.world_size) if device == "cpu" else None
         resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
         from ray.util.placement_group import placement_group
@@ -91,7 +112,10 @@ class WorkerGroup:
             except ray.exceptions.RayActorError as err:
                 for ref in pending:
                     ray.cancel(ref, force=True)
-                raise TrainingError(f"a worker process died: {str(err).strip().splitlines()[0]}") from err
+                raise TrainingError(
+                    f"a worker process died ({str(err).strip().splitlines()[0]}): it was killed or crashed outside Python, "
+                    "e.g. out of memory; its log is under /tmp/ray/session_latest/logs"
+                ) from err
         return [results[r] for r in refs]
 
     def shutdown(self) -> None:
@@ -107,6 +131,7 @@ class WorkerGroup:
             ray.kill(w)
         from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(self.pg)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
         if self._owns_ray:
             ray.shutdown()

@@ -6,10 +6,10 @@ A reward function maps (solution_str, ground_truth, extra_info) to a float.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from lorarl.errors import ConfigError
+from lorarl.errors import ConfigError, DataError
 from lorarl.rewards import arith, gsm8k
 
 RewardFn = Callable[[str, str, "dict | None"], float]
@@ -28,6 +28,35 @@ REGISTRY: dict[str, RewardFn] = {
     "gsm8k": _gsm8k,
     "arith": _arith,
 }
+
+
+# Parsers of each source's reference answer, so a bad ground truth fails when the data is
+# loaded instead of at the first reward, minutes into a run.
+GROUND_TRUTH_PARSERS: dict[str, Callable[[str], Any]] = {
+    "openai/gsm8k": gsm8k.parse_ground_truth,
+    "gsm8k": gsm8k.parse_ground_truth,
+    "arith": arith.parse_ground_truth,
+}
+
+
+def check_items(items: Iterable[Any], custom: str | None = None) -> None:
+    """Every prompt can be scored: its data_source has a reward function and its ground truth parses.
+
+    `items` carry `index`, `data_source` and `ground_truth` (lorarl.data.dataset.PromptItem).
+    A custom function decides for itself what a ground truth means, so only its import is checked.
+    """
+    if custom:
+        _load_custom(custom)
+        return
+    for item in items:
+        get_reward_fn(item.data_source)
+        parse = GROUND_TRUTH_PARSERS.get(item.data_source)
+        if parse is None:
+            continue
+        try:
+            parse(item.ground_truth)
+        except DataError as err:
+            raise DataError(f"data row {item.index} (data_source {item.data_source!r}): {err}") from None
 
 
 def _load_custom(path: str) -> Callable[..., Any]:
@@ -82,4 +111,4 @@ def compute_score(
     return get_reward_fn(data_source)(solution_str, ground_truth, extra_info)
 
 
-__all__ = ["REGISTRY", "RewardFn", "compute_score", "get_reward_fn"]
+__all__ = ["GROUND_TRUTH_PARSERS", "REGISTRY", "RewardFn", "check_items", "compute_score", "get_reward_fn"]

@@ -49,6 +49,16 @@ def extract_answer(text: str, method: str = "strict") -> str | None:
     return normalize_number(found[-1])
 
 
+def parse_ground_truth(ground_truth: str) -> str:
+    """The reference answer as a canonical number; a non-number is a data error, not a zero reward."""
+    truth = normalize_number(str(ground_truth))
+    if truth is None:
+        raise DataError(
+            f"gsm8k ground_truth {ground_truth!r} is not a number; check reward_model.ground_truth in the data"
+        )
+    return truth
+
+
 def score(
     solution: str,
     ground_truth: str,
@@ -56,11 +66,7 @@ def score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    truth = normalize_number(str(ground_truth))
-    if truth is None:
-        raise DataError(
-            f"gsm8k ground_truth {ground_truth!r} is not a number; check reward_model.ground_truth in the data"
-        )
+    truth = parse_ground_truth(ground_truth)
     answer = extract_answer(solution, method)
     if answer is None:
         return 0.0

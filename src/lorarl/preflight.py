@@ -1,0 +1,224 @@
+"""Model checks run on the driver before any worker starts; each failure is one ModelError line.
+
+A model is loaded inside Ray workers, seconds to minutes after launch, and a failure there
+arrives wrapped in another process's traceback. Everything here reads only config.json (and
+builds the module tree on the meta device, no weights), so a wrong model.path, a model that is
+not a causal LM, an architecture vLLM cannot serve with LoRA, or LoRA targets that match
+nothing stop the run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from lorarl.config import VLLM_LORA_UNSUPPORTED, RunConfig, cache_dir
+from lorarl.errors import ModelError
+
+# A hub id is "name" or "org/name"; anything else that does not exist is a mistyped local path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def load_hf_config(path: str, trust_remote_code: bool):
+    """The model's HF config, or a ModelError naming model.path and what to do."""
+    from transformers import AutoConfig
+
+    local = Path(os.path.expanduser(path))
+    if not local.exists() and not _HUB_ID.match(path):
+        raise ModelError(
+            f"model.path={path!r} does not exist; point it at a local HF model folder (config.json + *.safetensors) "
+            "or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ModelError(f"model.path={path!r} has no config.json; point it at a HF model folder (config.json + *.safetensors)")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        if "trust_remote_code" in str(err):
+            raise ModelError(
+                f"model.path={path!r} ships its own Python code (auto_map in config.json), which lorarl does not run "
+                "unless model.trust_remote_code=true; read that code first, or use a model transformers supports natively"
+            ) from None
+        raise ModelError(
+            f"model.path={path!r} could not be read as a HF model config ({_first_line(err)}); "
+            "check the hub id and the network, or point it at a local model folder"
+        ) from None
+
+
+def check_causal_lm(path: str, hf_cfg: Any) -> list[str]:
+    """The config's architectures, if they name a causal LM (GRPO samples text from it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = list(getattr(hf_cfg, "architectures", None) or [])
+    if not archs:
+        default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_cfg.model_type)
+        if default is None:
+            raise ModelError(
+                f"model.path={path!r}: model_type {hf_cfg.model_type!r} has no causal LM in transformers; "
+                "GRPO needs a decoder-only model such as Qwen/Qwen2.5-0.5B-Instruct"
+            )
+        return [default]
+    if not any(a in causal or a.endswith("ForCausalLM") for a in archs):
+        raise ModelError(
+            f"model.path={path!r} is a {'/'.join(archs)}, not a causal language model; "
+            "GRPO needs a decoder-only model (*ForCausalLM) such as Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    return archs
+
+
+def _vllm_version() -> str | None:
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get("vllm", []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_supports_lora(arch: str) -> bool | None:
+    """Whether vLLM's own implementation of `arch` serves LoRA adapters.
+
+    None when vLLM has no implementation of its own (it then tries its Transformers backend and
+    decides at load time) or its registry cannot be read. Importing vLLM costs seconds, so the
+    answer is cached per vLLM version in the lorarl cache.
+    """
+    version = _vllm_version()
+    if version is None:
+        return None
+    cache = Path(cache_dir()) / "vllm_lora_support.json"
+    key = f"{version}/{arch}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_lora
+
+        if arch not in ModelRegistry.get_supported_archs():
+            return None
+        cls = ModelRegistry._try_load_model_cls(arch)
+    except (ImportError, AttributeError):
+        return None  # a vLLM without this registry API: vLLM itself reports the problem at load time
+    if cls is None:
+        return None
+    answer = bool(supports_lora(cls))
+    known[key] = answer
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache only costs the next run the same lookup
+    return answer
+
+
+def check_vllm_lora(path: str, archs: list[str]) -> None:
+    for arch in archs:
+        if vllm_supports_lora(arch) is False:
+            raise ModelError(
+                f"model.path={path!r}: vLLM serves {arch} but not with LoRA adapters; "
+                "set model.lora.merge=true (push merged weights every step) or use a model vLLM supports with LoRA (Qwen2/Qwen3, Llama, ...)"
+            )
+
+
+def _peft_matches(module_name: str, target: str) -> bool:
+    # PEFT's rule for a list of target names: the full name or its dotted suffix.
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def check_lora_targets(path: str, hf_cfg: Any, targets: list[str], trust_remote_code: bool = False) -> None:
+    """Every name in model.lora.target_modules matches at least one linear layer of the model.
+
+    PEFT fails only when no name matches; a single typo among seven names would silently
+    train fewer projections, so each name is checked.
+    """
+    if targets == ["all-linear"]:
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=trust_remote_code)
+    modules = dict(model.named_modules())
+    linear = sorted(
+        {n.split(".")[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)} - set(VLLM_LORA_UNSUPPORTED)
+    )
+    for target in targets:
+        hits = [m for n, m in modules.items() if n and _peft_matches(n, target)]
+        if not hits:
+            raise ModelError(
+                f"model.lora.target_modules: {target!r} matches no module of {type(model).__name__} at {path}; "
+                f"its linear layers are {','.join(linear)} (or use [all-linear])"
+            )
+        if not any(isinstance(m, torch.nn.Linear) for m in hits):
+            raise ModelError(
+                f"model.lora.target_modules: {target!r} names {type(hits[0]).__name__} modules, not linear layers; "
+                f"LoRA goes on {','.join(linear)}"
+            )
+
+
+def check_weights_format(path: str) -> None:
+    """A local model folder holds safetensors weights: lorarl never unpickles .bin/.pt files."""
+    local = Path(os.path.expanduser(path))
+    if not local.is_dir():
+        return  # a hub id: transformers fetches safetensors (use_safetensors=True when loading)
+    if not any(local.glob("*.safetensors")):
+        pickled = sorted(p.name for p in local.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        found = f" (found {', '.join(pickled[:3])}: pickle files, which can run code when loaded)" if pickled else ""
+        raise ModelError(
+            f"model.path={path!r} has no *.safetensors weights{found}; convert the checkpoint to safetensors "
+            "(model.save_pretrained(dir, safe_serialization=True)) and point model.path at it"
+        )
+
+
+def check_model(run: RunConfig):
+    """All model checks that need only the config; returns the HF config."""
+    m = run.model
+    hf_cfg = load_hf_config(m.path, m.trust_remote_code)
+    archs = check_causal_lm(m.path, hf_cfg)
+    if not m.lora.merge:
+        check_vllm_lora(m.path, archs)
+    if run.backend.strategy != "megatron":
+        # Megatron takes its own layer names (linear_qkv, ...) and maps HF ones itself.
+        check_lora_targets(m.path, hf_cfg, list(m.lora.target_modules), m.trust_remote_code)
+    check_weights_format(m.path)
+    return hf_cfg
+
+
+def load_tokenizer(run: RunConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(run.model.path, trust_remote_code=run.model.trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelError(
+            f"model.path={run.model.path!r}: its tokenizer could not be loaded ({_first_line(err)}); "
+            "the folder needs tokenizer.json/tokenizer_config.json beside the weights"
+        ) from None
+
+
+__all__ = [
+    "check_causal_lm",
+    "check_lora_targets",
+    "check_model",
+    "check_vllm_lora",
+    "check_weights_format",
+    "load_hf_config",
+    "load_tokenizer",
+    "vllm_supports_lora",
+]
