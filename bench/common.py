@@ -145,8 +145,13 @@ def shaped_model(cache: Path, shape: str, layers: int | None = None, dtype: str 
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # init in the target dtype: a 7B fp32 copy is 30 GB
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.config.dtype = dtype
     tmp = path.with_name(path.name + ".tmp")
     model.to("cpu").save_pretrained(tmp, safe_serialization=True)

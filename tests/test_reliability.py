@@ -87,6 +87,27 @@ def data_overrides(*files: Path) -> tuple[str, ...]:
     return (f"data.train_files=[{quoted}]", "data.val_files=[]", "data.generator=null")
 
 
+def trainer_error(cache: Path, monkeypatch, out_dir: Path, *overrides: str):
+    """The same path through the public API, in this process: compose, validate, build the
+    trainer. Used where the CLI part (one line, exit 2, no traceback) is already shown by a
+    sibling case and a fresh interpreter per case would cost seconds."""
+    from hydra import compose
+
+    from lorarl.config import to_run_config
+    from lorarl.errors import LorarlError
+    from lorarl.trainer import GRPOTrainer
+
+    monkeypatch.setenv("LORARL_CACHE", str(cache))
+    with composing():
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", *SMALL, *overrides])
+    run = to_run_config(cfg)
+    with pytest.raises(LorarlError) as err:
+        GRPOTrainer(run, out_dir)
+    assert "\n" not in str(err.value), str(err.value)
+    assert not out_dir.exists(), "the trainer wrote output before failing"
+    return err.value
+
+
 def arith_rows(n: int = 8) -> list[dict]:
     return make_rows(n, seed=0, split="train")
 
@@ -161,23 +182,27 @@ def test_model_path_that_does_not_exist(cache, tmp_path):
     assert_nothing_written(tmp_path / "run")
 
 
-def test_model_that_is_not_a_causal_lm(cache, tmp_path):
+def test_model_that_is_not_a_causal_lm(cache, tmp_path, monkeypatch):
     from transformers import BertConfig
+
+    from lorarl.errors import ModelError
 
     BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2, intermediate_size=64,
                architectures=["BertForMaskedLM"]).save_pretrained(tmp_path / "bert")
-    out = grpo(tmp_path / "run", cache, f"model.path={tmp_path / 'bert'}", "model.builder=null")
-    error_line(out, "model.path=", "BertForMaskedLM", "not a causal language model")
-    assert_nothing_written(tmp_path / "run")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={tmp_path / 'bert'}", "model.builder=null")
+    assert isinstance(err, ModelError)
+    assert "model.path=" in str(err) and "BertForMaskedLM" in str(err) and "not a causal language model" in str(err)
 
 
-def test_architecture_vllm_cannot_serve_with_lora(cache, tmp_path):
+def test_architecture_vllm_cannot_serve_with_lora(cache, tmp_path, monkeypatch):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=64, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
-    out = grpo(tmp_path / "run", cache, f"model.path={tmp_path / 'gpt2'}", "model.builder=null")
-    error_line(out, "GPT2LMHeadModel", "LoRA", "model.lora.merge=true")
-    assert_nothing_written(tmp_path / "run")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={tmp_path / 'gpt2'}", "model.builder=null")
+    assert "GPT2LMHeadModel" in str(err) and "LoRA" in str(err) and "model.lora.merge=true" in str(err)
+    # vLLM's registry said so, and the answer is kept for the next run (importing vLLM takes seconds).
+    known = json.loads((cache / "vllm_lora_support.json").read_text())
+    assert {k.split("/", 1)[1]: v for k, v in known.items()}["GPT2LMHeadModel"] is False
 
 
 def test_target_module_that_matches_nothing(cache, tmp_path):
@@ -185,6 +210,26 @@ def test_target_module_that_matches_nothing(cache, tmp_path):
     out = grpo(tmp_path, cache, "model.lora.target_modules=[q_proj,vproj]")
     error_line(out, "model.lora.target_modules", "'vproj'", "v_proj")
     assert_nothing_written(tmp_path)
+
+
+def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, tiny_model_path):
+    """The workers' own guard, for a model the driver check cannot see the same way."""
+    import torch
+    from hydra import compose
+
+    from lorarl.config import to_run_config
+    from lorarl.engines.fsdp import load_lora_model
+    from lorarl.errors import ModelError
+
+    monkeypatch.setenv("LORARL_CACHE", str(cache))
+    with composing():
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", "model.lora.target_modules=[vproj]"])
+    run = to_run_config(cfg)
+    run.model.path = str(tiny_model_path)
+    with pytest.raises(ModelError) as err:
+        load_lora_model(run, torch.device("cpu"))
+    msg = str(err.value)
+    assert "model.lora.target_modules=['vproj']" in msg and "\n" not in msg
 
 
 def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
@@ -200,20 +245,27 @@ def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
         "model_type": "lorarl_evil", "architectures": ["EvilForCausalLM"],
         "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "configuration_evil.EvilConfig"},
     }))
-    out = grpo(tmp_path / "run", cache, f"model.path={model}", "model.builder=null")
+    # transformers copies a model's code into its modules cache: keep that inside tmp_path.
+    env = cli_env(cache, HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
+    out = grpo(tmp_path / "run", cache, f"model.path={model}", "model.builder=null", env=env)
     error_line(out, "model.trust_remote_code=true")
     assert not marker.exists(), "the model's own code ran although model.trust_remote_code is false"
+    # The flag is what gates it: set, the same folder's code runs.
+    load = f"from lorarl.preflight import load_hf_config; load_hf_config({str(model)!r}, trust_remote_code=True)"
+    ran = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert marker.exists()
 
 
-def test_pickled_weights_are_refused(cache, tmp_path, tiny_model_path):
+def test_pickled_weights_are_refused(cache, tmp_path, tiny_model_path, monkeypatch):
     model = tmp_path / "bin_model"
     model.mkdir()
     for f in tiny_model_path.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, model / f.name)
     (model / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
-    out = grpo(tmp_path / "run", cache, f"model.path={model}", "model.builder=null")
-    error_line(out, "model.path=", "no *.safetensors", "pytorch_model.bin")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={model}", "model.builder=null")
+    assert "no *.safetensors" in str(err) and "pytorch_model.bin" in str(err)
 
 
 def test_trust_remote_code_is_off_in_every_model_preset():
@@ -235,34 +287,35 @@ def test_missing_data_file(cache, tmp_path):
     assert_nothing_written(tmp_path / "run")
 
 
-def test_unreadable_parquet(cache, tmp_path):
+def test_unreadable_parquet(cache, tmp_path, monkeypatch):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"this is not parquet")
-    out = grpo(tmp_path / "run", cache, *data_overrides(bad))
-    error_line(out, str(bad), "not readable parquet")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", *data_overrides(bad))
+    assert str(bad) in str(err) and "not readable parquet" in str(err)
 
 
-def test_missing_columns_are_named(cache, tmp_path):
+def test_missing_columns_are_named(cache, tmp_path, monkeypatch):
     rows = [{"data_source": r["data_source"], "prompt": r["prompt"]} for r in arith_rows()]
     f = write_parquet(rows, tmp_path / "no_truth.parquet")
-    out = grpo(tmp_path / "run", cache, *data_overrides(f))
-    error_line(out, str(f), "reward_model.ground_truth")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", *data_overrides(f))
+    assert str(f) in str(err) and "lacks column(s) reward_model.ground_truth" in str(err)
 
 
-def test_empty_after_filtering(cache, tmp_path):
+def test_empty_after_filtering(cache, tmp_path, monkeypatch):
     f = write_parquet(arith_rows(), tmp_path / "train.parquet")
-    out = grpo(tmp_path / "run", cache, *data_overrides(f), "data.max_prompt_length=4")
-    error_line(out, "all 8 prompts", "data.max_prompt_length=4")
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", *data_overrides(f), "data.max_prompt_length=4")
+    assert "all 8 prompts" in str(err) and "data.max_prompt_length=4" in str(err)
 
 
-def test_overlong_prompt_with_truncation_error_names_row_and_length(cache, tmp_path):
+def test_overlong_prompt_with_truncation_error_names_row_and_length(cache, tmp_path, monkeypatch):
     rows = arith_rows()
     rows[3]["prompt"] = [{"role": "user", "content": "What is 1 + 2? " * 20}]
     f = write_parquet(rows, tmp_path / "train.parquet")
-    out = grpo(tmp_path / "run", cache, *data_overrides(f), "data.max_prompt_length=40",
-               "data.filter_overlong_prompts=false", "data.truncation=error")
-    line = error_line(out, "row 3:", "data.max_prompt_length=40", "data.truncation")
-    assert int(re.search(r"prompt has (\d+) tokens", line).group(1)) > 40
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", *data_overrides(f), "data.max_prompt_length=40",
+                        "data.filter_overlong_prompts=false", "data.truncation=error")
+    msg = str(err)
+    assert msg.startswith("row 3:") and "data.max_prompt_length=40" in msg and "data.truncation" in msg
+    assert int(re.search(r"prompt has (\d+) tokens", msg).group(1)) > 40
 
 
 def test_non_numeric_gsm8k_ground_truth_fails_before_any_rollout(cache, tmp_path):
@@ -311,6 +364,7 @@ def assert_safe_formats(root: Path) -> None:
             json.loads(f.read_text())
 
 
+@pytest.mark.slow
 def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(cache, tmp_path):
     """lr=1e30: the first update with a non-zero gradient blows the adapter up and the next
     forward pass is NaN. The run stops there, names the step, and every checkpoint written
@@ -409,6 +463,7 @@ def assert_all_gone(pids, grace: float = 30) -> None:
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in left if Path(f"/proc/{p}").exists()]
 
 
+@pytest.mark.slow
 def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_resume(cache, tmp_path):
     """A worker killed mid-run (as the OOM killer would) ends the run with that worker's error
     within seconds. Then the newest checkpoint loses a file, and the relaunch resumes from the
@@ -435,6 +490,7 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     assert steps_on_disk(run / "checkpoints") == list(range(1, newest + 2))
 
 
+@pytest.mark.slow
 def test_sigterm_shuts_down_cleanly(cache, tmp_path):
     """SIGTERM mid-run: exit 143 with one line, no half-written checkpoint, and no Ray, worker
     or vLLM process left behind."""

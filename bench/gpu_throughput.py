@@ -1,0 +1,78 @@
+"""GPU training throughput: FSDP2 + LoRA tokens/s per GPU and MFU against the measured peak.
+
+NOT RUN YET: written for a 2 x H200 host; the session that wrote it had no device time left.
+
+Qwen2.5-0.5B and 7B shapes, bf16, LoRA rank 64 on all linear projections, gradient
+checkpointing, 2 GPUs; (4 x 1024) and (1 x 4096) tokens per GPU per step. MFU is against
+790 TFLOP/s per GPU (bf16 matmul measured on the H200, ../shared/ENVIRONMENT.md); see
+bench/gpu_throughput_worker.py for the FLOP count. Megatron is not covered yet.
+
+    python -m bench.gpu_throughput --out /tmp/gpu_tp.json [--models qwen05,qwen7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import Record, Stat, cache_dir, shaped_model, write_json
+from bench.grpo_run import ROOT
+
+MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
+SHAPES = ((4, 1024), (1, 4096))
+
+
+def run_worker(args: list[str], world: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "bench.gpu_throughput_worker", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--models", default="qwen05,qwen7")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    cache = cache_dir(args.cache)
+    records: list[Record] = []
+    for key in args.models.split(","):
+        shape = MODELS[key]
+        path = shaped_model(cache, shape, dtype="bfloat16", device="cuda")
+        for batch, seq in SHAPES[:1] if args.quick else SHAPES:
+            config = f"{shape} shape, bf16, LoRA r=64 all linear, grad ckpt, {args.world} GPUs, {batch}x{seq} tokens/GPU/step"
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "r.json"
+                proc = run_worker(["--model", str(path), "--batch", str(batch), "--seq", str(seq),
+                                   "--repeats", "2" if args.quick else "6", "--out", str(out)], args.world)
+                if proc.returncode != 0 or not out.is_file():
+                    records.append(Record("gpu_throughput", "FSDP2 update", config, None,
+                                          error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"))
+                    continue
+                r = json.loads(out.read_text())
+            rates = [r["tokens_per_gpu_per_step"] / s for s in r["samples_s"]]
+            rate = Stat.of(rates, unit="tok/s/GPU")
+            peak = r["peak_tflops"] * 1e12
+            records.append(Record(
+                "gpu_throughput", "FSDP2 LoRA update (fwd+bwd+AdamW)", config, rate,
+                extra={
+                    "mfu": rate.median * r["flops_per_token_6n"] / peak,
+                    "mfu_lora": rate.median * r["flops_per_token_lora"] / peak,
+                    "tokens_per_s_all_gpus": rate.median * r["world"],
+                    "max_memory_allocated_gib_rank0": r["max_memory_allocated_gib_rank0"],
+                    "step_s": r["samples_s"],
+                },
+            ))
+    write_json(Path(args.out), [r.as_dict() for r in records])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

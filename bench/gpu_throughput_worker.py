@@ -1,0 +1,133 @@
+"""Run under torchrun on GPUs: FSDP2 + LoRA training throughput of the project's FSDPEngine.
+
+    torchrun --standalone --nproc_per_node=2 -m bench.gpu_throughput_worker \
+        --model PATH --batch 4 --seq 1024 --repeats 5 --out result.json
+
+One `engine.update` (PPO-clip loss over every token, forward + backward + AdamW step, bf16
+compute, LoRA rank 64 on all linear projections, gradient checkpointing on) per repeat on
+random token ids; tokens/s per GPU and model FLOPs utilisation against a given peak.
+
+FLOPs per token (matmul only, embeddings excluded, lm_head included; L layers, d hidden,
+S sequence): forward 2N + 4LdS (attention scores and values, no causal halving), as in the
+PaLM appendix. `mfu_6n` counts training as 3x forward (6N + 12LdS), the usual convention;
+`mfu_lora` counts what a frozen base needs (no weight gradients: 4N + 12LdS). Recomputation
+from gradient checkpointing is not counted (model FLOPs, not hardware FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.export_gather_worker import max_over_ranks
+from lorarl.batch import build_batch
+from lorarl.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    DataConfig,
+    FSDPBackendConfig,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from lorarl.engines.fsdp import FSDPEngine
+
+
+def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool) -> RunConfig:
+    return RunConfig(
+        model=ModelConfig(path=model, dtype="bfloat16", enable_gradient_checkpointing=checkpointing,
+                          lora=LoraConfig(rank=rank, alpha=2 * rank)),
+        data=DataConfig(train_files=["unused"], train_batch_size=batch * world),
+        rollout=RolloutConfig(n=1),
+        actor=ActorConfig(ppo_mini_batch_size=batch * world, ppo_micro_batch_size_per_gpu=batch, use_kl_loss=True),
+        algorithm=AlgorithmConfig(),
+        trainer=TrainerConfig(n_gpus_per_node=world, device="cuda"),
+        backend=FSDPBackendConfig(mixed_precision="bfloat16"),
+    )
+
+
+def flops_per_token(config, seq: int) -> tuple[float, float]:
+    """(forward matmul FLOPs per token, matmul params N) from the HF config."""
+    d, L, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * ffn
+    n = L * per_layer + d * config.vocab_size  # lm_head
+    return 2 * n + 4 * L * heads * head_dim * seq, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak per GPU")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", local)
+    engine = FSDPEngine(make_run(args.model, args.rank, world, args.batch, not args.no_checkpointing), device)
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(10, 500, (args.batch, args.seq), generator=gen).tolist()
+    # One prompt token, the rest response: the loss covers every position.
+    batch = build_batch([s[:1] for s in ids], [s[1:] for s in ids], engine.pad_token_id,
+                        advantages=(torch.randn(args.batch, generator=gen)).tolist())
+    batch.old_logp = engine.log_probs(batch)
+    batch.ref_logp = batch.old_logp.clone()  # the KL term's cost is the same for any reference
+
+    torch.cuda.reset_peak_memory_stats()
+    samples = []
+    for k in range(args.warmup + args.repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.update(batch, step=k + 1)
+        torch.cuda.synchronize()
+        seconds = max_over_ranks(time.perf_counter() - t0)
+        if k >= args.warmup:
+            samples.append(seconds)
+    fwd, n = flops_per_token(engine.model.config, args.seq)
+    L = engine.model.config.num_hidden_layers
+    attn = fwd - 2 * n
+    tokens = args.batch * args.seq
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    if rank == 0:
+        out = {
+            "world": world,
+            "batch_per_gpu": args.batch,
+            "seq": args.seq,
+            "lora_rank": args.rank,
+            "gradient_checkpointing": not args.no_checkpointing,
+            "samples_s": samples,
+            "tokens_per_gpu_per_step": tokens,
+            "matmul_params": n,
+            "layers": L,
+            "flops_per_token_6n": 3 * fwd,
+            "flops_per_token_lora": 4 * n + 3 * attn,
+            "peak_tflops": args.peak_tflops,
+            "max_memory_allocated_gib_rank0": peak_mem,
+        }
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

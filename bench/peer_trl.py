@@ -1,0 +1,129 @@
+"""Against a peer, same work: lorarl vs TRL's GRPOTrainer (PEFT LoRA, vLLM colocate) on CPU.
+
+Both train the tiny Qwen2 (fp32) on the arith parquet with the arith reward, 4 prompts x 4
+completions x <= 32 tokens per step, LoRA r=16 alpha=32 on the seven projections, lr 1e-3,
+KL coef 0.001, one optimizer step per batch. One run each, back to back; seconds per step and
+per sync over the steps after the first two.
+
+Threads: lorarl's workers take cpu_count // ranks torch threads (2 here; not configurable).
+TRL runs with 1 (--trl-threads): with 2, TRL's single process (trainer and in-process vLLM
+sharing one OpenMP pool) took 9.2 s/step instead of 0.19 s on this loaded 2-core host, which
+measures contention, not TRL.
+
+TRL must be importable (`pip install trl==1.16.0`: it adds datasets/pandas/multiprocess and
+leaves torch, vllm and transformers as they are); without it the rows say so.
+
+    python -m bench.peer_trl --out /tmp/peer.json [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import Record, Stat, cache_dir, tiny_model, write_json
+from bench.grpo_run import ROOT, run_grpo
+
+PROMPTS, N, MAX_TOKENS = 4, 4, 32
+WARMUP_STEPS = 2
+OURS = "lorarl (adapter sync)"
+TRL = "TRL GRPOTrainer (merged full-weight sync)"
+
+
+def ratio_of_medians(num: Stat, den: Stat) -> Stat:
+    """Two separate runs: no pairing, one ratio of medians."""
+    return Stat.of([num.median / den.median], unit="x")
+
+
+def run_ours(cache: Path, steps: int, tmp: Path) -> list[dict]:
+    overrides = [
+        f"trainer.total_steps={steps}",
+        f"data.train_batch_size={PROMPTS}",
+        f"rollout.n={N}",
+        f"data.max_response_length={MAX_TOKENS}",
+        f"actor.ppo_mini_batch_size={PROMPTS}",
+        f"actor.ppo_micro_batch_size_per_gpu={PROMPTS * N}",
+    ]
+    return run_grpo(tmp / "ours", cache, overrides)
+
+
+def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
+    out = tmp / "trl.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "LORARL_CACHE": str(cache),
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    cmd = [
+        sys.executable, "-m", "bench.trl_grpo_worker", "--model", str(cache / "qwen2_tiny"),
+        "--train-parquet", str(cache / "data" / "arith_n1024" / "train.parquet"),
+        "--steps", str(steps), "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(MAX_TOKENS),
+        "--out", str(out), "--workdir", str(tmp / "trl_out"), "--threads", str(threads),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"TRL run exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--trl-threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    cache = cache_dir(args.cache)
+    tiny_model(cache)
+    config = f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps (first {WARMUP_STEPS} dropped), CPU"
+    records: list[Record] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        ours_step = ours_sync = None
+        try:
+            rows = run_ours(cache, args.steps, tmp)[WARMUP_STEPS:]
+            ours_step = Stat.of([r["timing/step"] for r in rows])
+            ours_sync = Stat.of([r["sync/seconds"] for r in rows])
+            extra = {"sync_bytes": rows[-1]["sync/bytes"], "reward_mean_per_step": [r["reward/mean"] for r in rows],
+                     "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows)}
+            records.append(Record("peer_trl", f"{OURS}: seconds per step", config, ours_step, extra=extra))
+            records.append(Record("peer_trl", f"{OURS}: seconds per sync", config, ours_sync, extra={"sync_bytes": rows[-1]["sync/bytes"]}))
+        except Exception as exc:  # noqa: BLE001 - recorded as the result
+            records.append(Record("peer_trl", f"{OURS}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+        if importlib.util.find_spec("trl") is None:
+            records.append(Record("peer_trl", TRL, config, None, error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)"))
+        else:
+            try:
+                result = run_trl(cache, args.steps, tmp, args.trl_threads)
+                steps = result["steps_s"][WARMUP_STEPS:]
+                # Sync i happens at the start of step i+1; the first one (before step 1) is warm-up.
+                syncs = [s["seconds"] for s in result["syncs"] if "error" not in s and not s.get("after_failure")]
+                failure = next((s["error"] for s in result["syncs"] if "error" in s), None)
+                trl_step, trl_sync = Stat.of(steps), Stat.of(syncs[WARMUP_STEPS - 1:] or syncs)
+                mode = "TRL's sync routed through vLLM reload_weights" if failure else "TRL unchanged"
+                extra = {"sync_as_is_error": failure, "sync_mode": mode, "init_s": result["init_s"],
+                         "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
+                         "torch_threads": result["torch_threads"]}
+                records.append(Record("peer_trl", f"{TRL}: seconds per step ({mode})", config, trl_step,
+                                      baseline=f"{OURS}: seconds per step" if ours_step else None,
+                                      ratio=ratio_of_medians(trl_step, ours_step) if ours_step else None, extra=extra))
+                records.append(Record("peer_trl", f"{TRL}: seconds per sync ({mode})", config, trl_sync,
+                                      baseline=f"{OURS}: seconds per sync" if ours_sync else None,
+                                      ratio=ratio_of_medians(trl_sync, ours_sync) if ours_sync else None,
+                                      extra={"sync_as_is_error": failure}))
+            except Exception as exc:  # noqa: BLE001 - recorded as the result
+                records.append(Record("peer_trl", TRL, config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+    write_json(Path(args.out), [r.as_dict() for r in records])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
