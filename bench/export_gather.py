@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "qwen05":
             path, dtype = qwen05_shaped_model(cache, layers=args.qwen05_layers), "bfloat16"
             label = f"qwen2.5-0.5B-shape ({args.qwen05_layers} layers)"
-            reps, heavy = (2, 1) if args.quick else (5, 2)
+            reps, heavy = (2, 1) if args.quick else (5, 3)
         else:
             raise SystemExit(f"--models: unknown model {name!r}; use tiny or qwen05")
         for world in (int(w) for w in args.worlds.split(",")):

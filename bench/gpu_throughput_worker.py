@@ -41,7 +41,7 @@ from lorarl.config import (
 from lorarl.engines.fsdp import FSDPEngine
 
 
-def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool) -> RunConfig:
+def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool, device: str) -> RunConfig:
     return RunConfig(
         model=ModelConfig(path=model, dtype="bfloat16", enable_gradient_checkpointing=checkpointing,
                           lora=LoraConfig(rank=rank, alpha=2 * rank)),
@@ -49,7 +49,7 @@ def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool)
         rollout=RolloutConfig(n=1),
         actor=ActorConfig(ppo_mini_batch_size=batch * world, ppo_micro_batch_size_per_gpu=batch, use_kl_loss=True),
         algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device="cuda"),
+        trainer=TrainerConfig(n_gpus_per_node=world, device=device),
         backend=FSDPBackendConfig(mixed_precision="bfloat16"),
     )
 
@@ -74,32 +74,41 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak per GPU")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): smoke test of this script only")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    on_gpu = args.device == "cuda"
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
+    if on_gpu:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", local)
-    engine = FSDPEngine(make_run(args.model, args.rank, world, args.batch, not args.no_checkpointing), device)
+    device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    engine = FSDPEngine(make_run(args.model, args.rank, world, args.batch, not args.no_checkpointing, args.device), device)
+
+    def synchronize() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
 
     gen = torch.Generator().manual_seed(1000 + rank)
-    ids = torch.randint(10, 500, (args.batch, args.seq), generator=gen).tolist()
+    vocab = engine.model.config.vocab_size
+    ids = torch.randint(10, min(500, vocab), (args.batch, args.seq), generator=gen).tolist()
     # One prompt token, the rest response: the loss covers every position.
     batch = build_batch([s[:1] for s in ids], [s[1:] for s in ids], engine.pad_token_id,
                         advantages=(torch.randn(args.batch, generator=gen)).tolist())
     batch.old_logp = engine.log_probs(batch)
     batch.ref_logp = batch.old_logp.clone()  # the KL term's cost is the same for any reference
 
-    torch.cuda.reset_peak_memory_stats()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     samples = []
     for k in range(args.warmup + args.repeats):
         dist.barrier()
-        torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         engine.update(batch, step=k + 1)
-        torch.cuda.synchronize()
+        synchronize()
         seconds = max_over_ranks(time.perf_counter() - t0)
         if k >= args.warmup:
             samples.append(seconds)
@@ -107,7 +116,7 @@ def main() -> None:
     L = engine.model.config.num_hidden_layers
     attn = fwd - 2 * n
     tokens = args.batch * args.seq
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
     if rank == 0:
         out = {
             "world": world,

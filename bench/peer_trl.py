@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cache = cache_dir(args.cache)
     tiny_model(cache)
-    config = f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps (first {WARMUP_STEPS} dropped), CPU"
+    threads = max(1, (os.cpu_count() or 1))  # lorarl's worker_group: cpu_count // ranks, 1 rank here
+    config = (f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps "
+              f"(first {WARMUP_STEPS} dropped), CPU; torch threads: lorarl {threads}/worker, TRL {args.trl_threads}")
     records: list[Record] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             ours_step = Stat.of([r["timing/step"] for r in rows])
             ours_sync = Stat.of([r["sync/seconds"] for r in rows])
             extra = {"sync_bytes": rows[-1]["sync/bytes"], "reward_mean_per_step": [r["reward/mean"] for r in rows],
-                     "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows)}
+                     "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
+                     # Where lorarl's step goes, for reading the ratio (medians over the same steps).
+                     "median_s": {k: Stat.of([r[k] for r in rows]).median for k in
+                                  ("timing/gen", "timing/old_logp", "timing/ref_logp", "timing/update", "timing/train", "timing/sync")
+                                  if all(k in r for r in rows)}}
             records.append(Record("peer_trl", f"{OURS}: seconds per step", config, ours_step, extra=extra))
             records.append(Record("peer_trl", f"{OURS}: seconds per sync", config, ours_sync, extra={"sync_bytes": rows[-1]["sync/bytes"]}))
         except Exception as exc:  # noqa: BLE001 - recorded as the result

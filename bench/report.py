@@ -57,15 +57,18 @@ def notes(record: dict) -> str:
         parts.append(f"TRL sync as shipped failed: `{extra['sync_as_is_error'][:80]}`")
     if record.get("error"):
         parts.append(f"**ERROR**: {record['error'][:200]}")
-    return "; ".join(p for p in parts if p).replace("|", "\\|").replace("\n", " ")
+    return "; ".join(p for p in parts if p).replace("\n", " ")
 
 
 def markdown(result: dict) -> str:
     env = result["environment"]
+    load = lambda v: "/".join(f"{x:.1f}" for x in v) if v else "?"  # noqa: E731
     lines = [
         f"# lorarl benchmarks: {result['suite']} suite, {result['date']}",
         "",
-        f"Machine: {env.get('cpus')} CPUs, {env.get('mem_total_gib')} GiB, load average at start {env.get('loadavg')}; "
+        f"Machine: {env.get('cpus')} CPUs, {env.get('mem_total_gib')} GiB, load average (1/5/15 min) {load(env.get('loadavg'))} at start, "
+        f"{load(result.get('loadavg_end'))} at end (the host is shared); torch threads {env.get('torch_threads')} in the runner "
+        "(each measurement sets its own, see config); "
         f"torch {env.get('torch')}, vllm {env.get('vllm')}, transformers {env.get('transformers')}, peft {env.get('peft')}, trl {env.get('trl')}.",
         "Median and spread over repeats (p25-p75, then min-max and n). Ratios divide by the baseline "
         "row measured in the same run (paired per repeat where the rows were taken back to back).",

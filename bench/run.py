@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "wall_s": time.perf_counter() - t_start,
         "wall_s_per_measurement": walls,
+        "loadavg_end": os.getloadavg(),
         "records": records,
     }
     js, md = report.write(result, Path(args.out_dir), args.stem or f"{args.suite}_{date}{'_quick' if args.quick else ''}")

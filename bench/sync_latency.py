@@ -129,7 +129,7 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
     config["base_model_name_or_path"] = str(path)
     scale = LORA_ALPHA / LORA_RANK
     probe, start = probe_sequence(tokenizer)
-    cfg = f"{name}, {dtype_name}, LoRA r={LORA_RANK} all 7 proj"
+    cfg = f"{name}, {dtype_name}, LoRA r={LORA_RANK} all 7 proj, {torch.get_num_threads()} torch thread(s)"
 
     kw = dict(max_model_len=MAX_MODEL_LEN, seed=0)
     engines: dict[str, VLLMRollout] = {}

@@ -95,5 +95,5 @@ def test_custom_reward_fn_by_import_path(tmp_path, monkeypatch):
     assert fn("abcd", "x", None) == 104.0
     assert get_reward_fn("arith", custom="my_rewards:dict_reward")("1", "1", {"w": 0.25}) == 0.25
     for bad in ("my_rewards", "my_rewards:missing", "my_rewards:NOT_CALLABLE", "no_such_mod_xyz:f", ":f"):
-        with pytest.raises(ConfigError, match=r"reward\.custom_fn"):
+        with pytest.raises(ConfigError, match=r"data\.reward_fn"):
             get_reward_fn("arith", custom=bad)

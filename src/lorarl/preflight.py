@@ -1,10 +1,10 @@
 """Model checks run on the driver before any worker starts; each failure is one ModelError line.
 
 A model is loaded inside Ray workers, seconds to minutes after launch, and a failure there
-arrives wrapped in another process's traceback. Everything here reads only config.json (and
-builds the module tree on the meta device, no weights), so a wrong model.path, a model that is
-not a causal LM, an architecture vLLM cannot serve with LoRA, or LoRA targets that match
-nothing stop the run at once.
+arrives wrapped in another process's traceback. Everything here reads only config.json,
+builds the module tree on the meta device (no weights) and asks vLLM's model registry (once per
+architecture and vLLM version), so a wrong model.path, a model that is not a causal LM, an
+architecture vLLM cannot serve with LoRA, or LoRA targets that match nothing stop the run at once.
 """
 
 from __future__ import annotations
@@ -86,13 +86,28 @@ def _vllm_version() -> str | None:
     return None
 
 
+# Run in a child process: importing vLLM sets torch and environment state the driver should
+# not inherit, and a model module may touch the GPU. Prints yes, no, or unknown.
+_VLLM_LORA_PROBE = """
+import sys
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_lora
+arch = sys.argv[1]
+cls = ModelRegistry._try_load_model_cls(arch) if arch in ModelRegistry.get_supported_archs() else None
+print("unknown" if cls is None else ("yes" if supports_lora(cls) else "no"))
+"""
+
+
 def vllm_supports_lora(arch: str) -> bool | None:
     """Whether vLLM's own implementation of `arch` serves LoRA adapters.
 
     None when vLLM has no implementation of its own (it then tries its Transformers backend and
-    decides at load time) or its registry cannot be read. Importing vLLM costs seconds, so the
-    answer is cached per vLLM version in the lorarl cache.
+    decides at load time) or its registry cannot be read. Asking costs a process that imports
+    vLLM (seconds), so the answer is cached per vLLM version in the lorarl cache.
     """
+    import subprocess
+    import sys
+
     version = _vllm_version()
     if version is None:
         return None
@@ -104,18 +119,17 @@ def vllm_supports_lora(arch: str) -> bool | None:
         known = {}
     if key in known:
         return known[key]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
     try:
-        from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_lora
-
-        if arch not in ModelRegistry.get_supported_archs():
-            return None
-        cls = ModelRegistry._try_load_model_cls(arch)
-    except (ImportError, AttributeError):
-        return None  # a vLLM without this registry API: vLLM itself reports the problem at load time
-    if cls is None:
+        probe = subprocess.run(
+            [sys.executable, "-c", _VLLM_LORA_PROBE, arch], capture_output=True, text=True, timeout=600, env=env
+        )
+    except subprocess.TimeoutExpired:
         return None
-    answer = bool(supports_lora(cls))
+    verdict = probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else ""
+    if verdict not in ("yes", "no", "unknown"):
+        return None  # the probe itself failed; vLLM reports any real problem when it loads the model
+    answer = None if verdict == "unknown" else verdict == "yes"
     known[key] = answer
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +137,7 @@ def vllm_supports_lora(arch: str) -> bool | None:
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
         os.replace(tmp, cache)
     except OSError:
-        pass  # a read-only cache only costs the next run the same lookup
+        pass  # a read-only cache only costs the next run the same question
     return answer
 
 

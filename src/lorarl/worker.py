@@ -78,6 +78,7 @@ class Worker:
             enforce_eager=r.enforce_eager,
             enable_sleep_mode=self._sleeps,
             adapter_transport=r.adapter_transport,
+            trust_remote_code=m.trust_remote_code,
         )
         self.engine = make_engine(self.run, self.device)
         if self._sleeps:

@@ -63,18 +63,18 @@ def _load_custom(path: str) -> Callable[..., Any]:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(
-            f"reward.custom_fn={path!r} must look like 'package.module:function'"
+            f"data.reward_fn={path!r} must look like 'package.module:function'"
         )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise ConfigError(
-            f"reward.custom_fn={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+            f"data.reward_fn={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
         ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(
-            f"reward.custom_fn={path!r}: module {module_name!r} has no callable {attr!r}"
+            f"data.reward_fn={path!r}: module {module_name!r} has no callable {attr!r}"
         )
     return fn
 
@@ -101,7 +101,7 @@ def get_reward_fn(data_source: str, custom: str | None = None) -> RewardFn:
     except KeyError:
         raise ConfigError(
             f"no reward function for data_source {data_source!r}; known: {', '.join(sorted(REGISTRY))}"
-            f" (or set reward.custom_fn='package.module:function')"
+            f" (or set data.reward_fn='package.module:function')"
         ) from None
 
 

@@ -70,6 +70,7 @@ class VLLMRollout:
         adapter_transport: AdapterTransport = "tmpfs",
         kv_cache_bytes: int | None = None,
         max_num_seqs: int | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         if adapter_transport not in ("tmpfs", "memory"):
             raise ConfigError(
@@ -107,7 +108,7 @@ class VLLMRollout:
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization,
-            trust_remote_code=False,
+            trust_remote_code=trust_remote_code,
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
