@@ -33,3 +33,15 @@ def tiny_tokenizer(tiny_model_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def run_cache(tiny_model_path: Path) -> Path:
+    """A LORARL_CACHE for runs of `python -m recipes.grpo`: the session's tiny model under the
+    name conf/model/qwen2_tiny.yaml expects, so no run builds its own."""
+    root = tiny_model_path.parent / "run_cache"
+    root.mkdir(exist_ok=True)
+    link = root / "qwen2_tiny"
+    if not link.exists():
+        link.symlink_to(tiny_model_path, target_is_directory=True)
+    return root

@@ -29,14 +29,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cache(tiny_model_path) -> Path:
-    """LORARL_CACHE holding the session's tiny model under the name the config expects."""
-    root = tiny_model_path.parent / "e2e_cache"
-    root.mkdir(exist_ok=True)
-    link = root / "qwen2_tiny"
-    if not link.exists():
-        link.symlink_to(tiny_model_path, target_is_directory=True)
-    return root
+def cache(run_cache) -> Path:
+    return run_cache
 
 
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):

@@ -40,14 +40,8 @@ SECRETS = {"WANDB_API_KEY": "secret-xyz-2d7f", "HF_TOKEN": "secret-abc-91c4"}
 
 
 @pytest.fixture(scope="module")
-def cache(tiny_model_path) -> Path:
-    """LORARL_CACHE holding the session's tiny model under the name the config expects."""
-    root = tiny_model_path.parent / "reliability_cache"
-    root.mkdir(exist_ok=True)
-    link = root / "qwen2_tiny"
-    if not link.exists():
-        link.symlink_to(tiny_model_path, target_is_directory=True)
-    return root
+def cache(run_cache) -> Path:
+    return run_cache
 
 
 def cli_cmd(run_dir: Path, *overrides: str, backend: str = "fsdp") -> list[str]:
