@@ -5,10 +5,11 @@ completions x <= 32 tokens per step, LoRA r=16 alpha=32 on the seven projections
 KL coef 0.001, one optimizer step per batch. One run each, back to back; seconds per step and
 per sync over the steps after the first two.
 
-Threads: lorarl's workers take cpu_count // ranks torch threads (2 here; not configurable).
-TRL runs with 1 (--trl-threads): with 2, TRL's single process (trainer and in-process vLLM
-sharing one OpenMP pool) took 9.2 s/step instead of 0.19 s on this loaded 2-core host, which
-measures contention, not TRL.
+Threads: TRL runs with 1 torch thread (--trl-threads): with 2, TRL's single process (trainer
+and in-process vLLM sharing one OpenMP pool) took 9.2 s/step instead of 0.19 s on this loaded
+2-core host, which measures contention, not TRL. lorarl gives each CPU worker
+cpu_count // ranks threads (2 here) and has no setting for it, so it runs twice: at TRL's
+thread count (through bench.grpo_run --cpu-count; the baseline of the TRL rows) and as shipped.
 
 TRL must be importable (`pip install trl==1.16.0`: it adds datasets/pandas/multiprocess and
 leaves torch, vllm and transformers as they are); without it the rows say so.
@@ -41,7 +42,7 @@ def ratio_of_medians(num: Stat, den: Stat) -> Stat:
     return Stat.of([num.median / den.median], unit="x")
 
 
-def run_ours(cache: Path, steps: int, tmp: Path) -> list[dict]:
+def run_ours(cache: Path, steps: int, tmp: Path, threads: int | None) -> list[dict]:
     overrides = [
         f"trainer.total_steps={steps}",
         f"data.train_batch_size={PROMPTS}",
@@ -50,7 +51,7 @@ def run_ours(cache: Path, steps: int, tmp: Path) -> list[dict]:
         f"actor.ppo_mini_batch_size={PROMPTS}",
         f"actor.ppo_micro_batch_size_per_gpu={PROMPTS * N}",
     ]
-    return run_grpo(tmp / "ours", cache, overrides)
+    return run_grpo(tmp / f"ours_t{threads}", cache, overrides, threads=threads)
 
 
 def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
@@ -83,27 +84,40 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cache = cache_dir(args.cache)
     tiny_model(cache)
-    threads = max(1, (os.cpu_count() or 1))  # lorarl's worker_group: cpu_count // ranks, 1 rank here
+    default_threads = max(1, os.cpu_count() or 1)  # lorarl's worker group: cpu_count // ranks, 1 rank
     config = (f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps "
-              f"(first {WARMUP_STEPS} dropped), CPU; torch threads: lorarl {threads}/worker, TRL {args.trl_threads}")
+              f"(first {WARMUP_STEPS} dropped), CPU")
     records: list[Record] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        ours_step = ours_sync = None
-        try:
-            rows = run_ours(cache, args.steps, tmp)[WARMUP_STEPS:]
-            ours_step = Stat.of([r["timing/step"] for r in rows])
-            ours_sync = Stat.of([r["sync/seconds"] for r in rows])
+        ours: dict[str, Stat] = {}
+        matched = f"{OURS}, {args.trl_threads} thread"
+        # Matched threads first: it is the baseline for TRL. Then lorarl as shipped.
+        for label, threads in ((matched, args.trl_threads), (f"{OURS}, {default_threads} threads (default)", None)):
+            try:
+                rows = run_ours(cache, args.steps, tmp, threads)[WARMUP_STEPS:]
+            except Exception as exc:  # noqa: BLE001 - recorded as the result
+                records.append(Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+                continue
+            step, sync = Stat.of([r["timing/step"] for r in rows]), Stat.of([r["sync/seconds"] for r in rows])
+            ours[label] = step
+            ours[label + " sync"] = sync
             extra = {"sync_bytes": rows[-1]["sync/bytes"], "reward_mean_per_step": [r["reward/mean"] for r in rows],
                      "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
                      # Where lorarl's step goes, for reading the ratio (medians over the same steps).
                      "median_s": {k: Stat.of([r[k] for r in rows]).median for k in
                                   ("timing/gen", "timing/old_logp", "timing/ref_logp", "timing/update", "timing/train", "timing/sync")
                                   if all(k in r for r in rows)}}
-            records.append(Record("peer_trl", f"{OURS}: seconds per step", config, ours_step, extra=extra))
-            records.append(Record("peer_trl", f"{OURS}: seconds per sync", config, ours_sync, extra={"sync_bytes": rows[-1]["sync/bytes"]}))
-        except Exception as exc:  # noqa: BLE001 - recorded as the result
-            records.append(Record("peer_trl", f"{OURS}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+            base_step = ours.get(matched) if label != matched else None
+            base_sync = ours.get(matched + " sync") if label != matched else None
+            records.append(Record("peer_trl", f"{label}: seconds per step", config, step,
+                                  baseline=f"{matched}: seconds per step" if base_step else None,
+                                  ratio=ratio_of_medians(step, base_step) if base_step else None, extra=extra))
+            records.append(Record("peer_trl", f"{label}: seconds per sync", config, sync,
+                                  baseline=f"{matched}: seconds per sync" if base_sync else None,
+                                  ratio=ratio_of_medians(sync, base_sync) if base_sync else None,
+                                  extra={"sync_bytes": rows[-1]["sync/bytes"]}))
+        ours_step, ours_sync = ours.get(matched), ours.get(matched + " sync")
         if importlib.util.find_spec("trl") is None:
             records.append(Record("peer_trl", TRL, config, None, error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)"))
         else:
@@ -118,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"sync_as_is_error": failure, "sync_mode": mode, "init_s": result["init_s"],
                          "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
                          "torch_threads": result["torch_threads"]}
-                records.append(Record("peer_trl", f"{TRL}: seconds per step ({mode})", config, trl_step,
-                                      baseline=f"{OURS}: seconds per step" if ours_step else None,
+                trl_label = f"{TRL}, {result['torch_threads']} thread"
+                records.append(Record("peer_trl", f"{trl_label}: seconds per step ({mode})", config, trl_step,
+                                      baseline=f"{matched}: seconds per step" if ours_step else None,
                                       ratio=ratio_of_medians(trl_step, ours_step) if ours_step else None, extra=extra))
-                records.append(Record("peer_trl", f"{TRL}: seconds per sync ({mode})", config, trl_sync,
-                                      baseline=f"{OURS}: seconds per sync" if ours_sync else None,
+                records.append(Record("peer_trl", f"{trl_label}: seconds per sync ({mode})", config, trl_sync,
+                                      baseline=f"{matched}: seconds per sync" if ours_sync else None,
                                       ratio=ratio_of_medians(trl_sync, ours_sync) if ours_sync else None,
                                       extra={"sync_as_is_error": failure}))
             except Exception as exc:  # noqa: BLE001 - recorded as the result
