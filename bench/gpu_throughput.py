@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
+        raise SystemExit(f"gpu_throughput needs {args.world} CUDA GPUs; found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     cache = cache_dir(args.cache)
     records: list[Record] = []
     for key in args.models.split(","):

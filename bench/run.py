@@ -72,7 +72,7 @@ def run_measurement(module: str, args: list[str], cache: Path, timeout: int) -> 
             failure = f"timed out after {timeout} s"
         wall = time.perf_counter() - t0
         if failure:
-            return [Record(module, "measurement", " ".join(args), None, error=failure).as_dict()], wall
+            return [Record(module, f"{module}: whole measurement", " ".join(args) or "defaults", None, error=failure).as_dict()], wall
         return json.loads(out.read_text()), wall
 
 

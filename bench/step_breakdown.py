@@ -63,7 +63,9 @@ def breakdown(rows: list[dict], config: str, measurement: str = "step_breakdown"
             ratio=ratio_stat(rest, step),
         )
     )
-    out[-1].extra["sync_bytes"] = rows[-1].get("sync/bytes")
+    for record in out:
+        if record.what.startswith("sync/seconds"):
+            record.extra["sync_bytes"] = rows[-1].get("sync/bytes")
     return out
 
 
