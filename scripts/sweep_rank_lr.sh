@@ -10,6 +10,6 @@ LRS=${LRS:-1e-3,3e-3}
 STEPS=${STEPS:-10}
 
 SWEEP=("model.lora.rank=$RANKS" "actor.optim.lr=$LRS")
-TRAINER=(trainer.device=cpu "trainer.total_steps=$STEPS" trainer.progress_bar=false)
+TRAINER=(trainer.device=cpu "trainer.total_steps=$STEPS" "trainer.test_freq=$STEPS" trainer.progress_bar=false)
 
 exec "$PYTHON" -m recipes.grpo hydra.mode=MULTIRUN +backend=fsdp "${SWEEP[@]}" "${TRAINER[@]}" "$@"
