@@ -20,10 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lorarl import algorithms
-from lorarl.rewards import gsm8k
-from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
+from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.errors import LorarlError
+from lorarl.rewards import gsm8k
 from lorarl.tracking import Tracker, redact
 
 
@@ -39,8 +39,6 @@ def resolve_device(requested: str) -> str:
 
 def prepare_model(run: RunConfig) -> str:
     """Local path of the model, building the embedded one on first use."""
-    import os
-
     path = os.path.expanduser(run.model.path)
     if run.model.builder == "tiny_qwen2":
         from lorarl.models.tiny import ensure_tiny_model
@@ -51,8 +49,6 @@ def prepare_model(run: RunConfig) -> str:
 
 
 def prepare_data(run: RunConfig) -> None:
-    import os
-
     d = run.data
     d.train_files = [os.path.expanduser(f) for f in d.train_files]
     d.val_files = [os.path.expanduser(f) for f in d.val_files]
@@ -100,18 +96,17 @@ class GRPOTrainer:
         check_model_shape(run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads))
         self.tokenizer = load_tokenizer(run)
         d = run.data
-        items, dropped = build_prompts(
-            load_rows(d.train_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
-        )
-        self.dropped_prompts = dropped
-        check_items(items, d.reward_fn)
+
+        def prompts(files: list[str]):
+            items, dropped = build_prompts(load_rows(files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation)
+            check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
+            return items, dropped
+
+        items, self.dropped_prompts = prompts(d.train_files)
         self.loader = PromptLoader(items, d.train_batch_size, shuffle=d.shuffle, seed=run.trainer.seed)
         self.val_items = []
         if d.val_files and (run.trainer.test_freq > 0 or run.trainer.val_before_train):
-            self.val_items, _ = build_prompts(
-                load_rows(d.val_files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
-            )
-            check_items(self.val_items, d.reward_fn)
+            self.val_items, _ = prompts(d.val_files)
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
