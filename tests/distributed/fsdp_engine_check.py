@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lorarl.batch import build_batch
 from lorarl.config import (
@@ -31,7 +30,7 @@ from lorarl.config import (
     RunConfig,
     TrainerConfig,
 )
-from lorarl.engines.fsdp import FSDPEngine
+from lorarl.engines.fsdp import FSDPEngine, _peft_name
 from lorarl.sync import PayloadKind
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -50,21 +49,14 @@ def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
     )
 
 
-def randomize_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
-    """Seeded full LoRA tensors, scattered into the shards; returns the full tensors by param name."""
-    full = {}
-    with torch.no_grad():
-        for i, (name, p) in enumerate(engine.model.named_parameters()):
-            if not p.requires_grad:
-                continue
-            g = torch.Generator().manual_seed(1000 + i)
-            value = torch.randn(p.shape, generator=g) * 0.05
-            full[name] = value
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements).to_local())
-            else:
-                p.copy_(value)
-    return full
+def randomize_lora(engine: FSDPEngine) -> None:
+    """Seeded full LoRA tensors (same values at any world size), put into the shards by the
+    engine's own checkpoint loader."""
+    values = {}
+    for i, (name, p) in enumerate(engine.model.named_parameters()):
+        if p.requires_grad:
+            values[_peft_name(name)] = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 + i)) * 0.05
+    engine.load_state(values, optimizer=None, scheduler=None)
 
 
 def main(model_path: str, out: str) -> None:
