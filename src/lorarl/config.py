@@ -359,24 +359,36 @@ def validate(run: RunConfig) -> None:
     )
 
     world = run.world_size
+    # Data is split over data-parallel replicas: every device with FSDP; with Megatron, the
+    # devices of one tensor x pipeline group share a replica and see the same sequences.
+    mp = 1
+    if backend == "megatron":
+        mp = run.backend.tensor_model_parallel_size * run.backend.pipeline_model_parallel_size
+        _check(
+            world % mp == 0,
+            f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
+        )
+    dp = world // mp
+    replicas = f"{dp} data-parallel replicas" if mp > 1 else f"{world} devices"
     _check(
         a.ppo_mini_batch_size <= d.train_batch_size and d.train_batch_size % a.ppo_mini_batch_size == 0,
         f"data.train_batch_size={d.train_batch_size} must be a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size} (both count prompts)",
     )
     _check(
-        d.train_batch_size % world == 0,
-        f"data.train_batch_size={d.train_batch_size} must divide over {world} devices (trainer.nnodes x trainer.n_gpus_per_node)",
+        d.train_batch_size % dp == 0,
+        f"data.train_batch_size={d.train_batch_size} must divide over {replicas} (trainer.nnodes x trainer.n_gpus_per_node"
+        + (" / model-parallel size)" if mp > 1 else ")"),
     )
     mini_seqs = a.ppo_mini_batch_size * r.n
     _check(
-        mini_seqs % world == 0,
-        f"actor.ppo_mini_batch_size x rollout.n = {mini_seqs} sequences must divide over {world} devices",
+        mini_seqs % dp == 0,
+        f"actor.ppo_mini_batch_size x rollout.n = {mini_seqs} sequences must divide over {replicas}",
     )
-    per_device = mini_seqs // world
+    per_device = mini_seqs // dp
     _check(
         per_device % a.ppo_micro_batch_size_per_gpu == 0,
         f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} must divide the "
-        f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / devices)",
+        f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / {'replicas' if mp > 1 else 'devices'})",
     )
     tp = r.tensor_model_parallel_size
     _check(
@@ -388,11 +400,6 @@ def validate(run: RunConfig) -> None:
         b = run.backend
         _one_of("backend.bridge", b.bridge, ("megatron_bridge", "mbridge"))
         _one_of("backend.transformer_impl", b.transformer_impl, ("transformer_engine", "local"))
-        mp = b.tensor_model_parallel_size * b.pipeline_model_parallel_size
-        _check(
-            world % mp == 0,
-            f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
-        )
         _check(
             lora.rank % b.tensor_model_parallel_size == 0,
             f"model.lora.rank={lora.rank} must be divisible by backend.tensor_model_parallel_size={b.tensor_model_parallel_size}",

@@ -1,10 +1,14 @@
 """A few GRPO-LoRA steps on GPUs: colocated FSDP2 (NCCL) + vLLM (CUDA, sleep mode) per rank.
 
-    torchrun --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b --steps 4 --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b --steps 4 --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --backend megatron --tp 2 ...
+
+(`--device cpu` runs the same flow on the CPU build of vLLM, without sleep mode, so the
+script itself is checked where no GPU is.)
 
 Each rank drives its own `Worker` (the same class the Ray trainer places on every device):
 generate -> reward -> GRPO advantages -> sleep vLLM -> old/ref log-probs + PPO update ->
-wake + adapter sync + parity probe. Rank 0 writes DIR/<model>_<world>gpu.json with per-step
+wake + adapter sync + parity probe. Rank 0 writes DIR/grpo_<backend>_<model>_<world>gpu.json with per-step
 timings, sync sizes, probe differences, adapter counts and peak memory, then runs the
 sleep/wake regression: level-1 sleep keeps the base (generation unchanged), level-2 sleep
 drops it and the next sync must resend it.
@@ -36,9 +40,9 @@ QWEN2_5_0_5B = dict(
 
 
 def build_model(kind: str, root: Path) -> Path:
-    from lorarl.models.tiny import ensure_tiny_model
+    from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
 
-    tiny = ensure_tiny_model(root / "qwen2_tiny")
+    tiny = ensure_tiny_model(default_tiny_model_path())  # in $LORARL_CACHE, as the recipe's default
     if kind == "tiny":
         return tiny
     path = root / "qwen2_5_0_5b_random"
@@ -56,24 +60,31 @@ def build_model(kind: str, root: Path) -> Path:
     return path
 
 
-def make_run(model_path: Path, world: int, kind: str, n: int, batch: int):
+def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int):
     from lorarl.config import (
-        ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, ModelConfig, OptimConfig,
-        RolloutConfig, RunConfig, TrainerConfig,
+        ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, MegatronBackendConfig, ModelConfig,
+        OptimConfig, RolloutConfig, RunConfig, TrainerConfig, validate,
     )
 
     tiny = kind == "tiny"
-    return RunConfig(
+    dp = world // tp
+    if backend == "megatron":
+        engine = MegatronBackendConfig(tensor_model_parallel_size=tp)
+    else:
+        engine = FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16")
+    run = RunConfig(
         model=ModelConfig(path=str(model_path), dtype="float32" if tiny else "bfloat16",
                           enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32)),
-        data=DataConfig(train_files=["unused"], train_batch_size=batch * world, max_prompt_length=64, max_response_length=8 if tiny else 128),
+        data=DataConfig(train_files=["unused"], train_batch_size=batch * dp, max_prompt_length=64, max_response_length=8 if tiny else 128),
         rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny),
-        actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * world,
+        actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * dp,
                           ppo_micro_batch_size_per_gpu=batch * n, use_kl_loss=True),
         algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device="cuda", check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25),
-        backend=FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16"),
+        trainer=TrainerConfig(n_gpus_per_node=world, device=device, check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25),
+        backend=engine,
     )
+    validate(run)
+    return run
 
 
 def main() -> None:
@@ -83,7 +94,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="prompts per rank per step")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cache", default="/tmp/lorarl_gpu")
+    ap.add_argument("--cache", default="/tmp/lorarl_gpu", help="where the random 0.5B-shaped model is written")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
+    ap.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -113,28 +127,36 @@ def main() -> None:
             model_path = build_model(args.model, root) if rank == 0 else _wait(args.model, root)
         except FileNotFoundError:
             time.sleep(1)
-    run = make_run(model_path, world, args.model, args.n, args.batch)
+    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp)
+    cuda = args.device == "cuda"
     tok = AutoTokenizer.from_pretrained(model_path)
     phase(f"model ready at {model_path}; setting up worker")
     t0 = time.perf_counter()
-    worker = Worker(run, rank, world, "cuda")
-    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1)
+    worker = Worker(run, rank, world, args.device)
+    # Under torchrun every tcp:// rendezvous is a client of the launcher's store
+    # (TORCHELASTIC_USE_AGENT_STORE), so the process group must meet at MASTER_PORT itself.
+    dp_rank, dp_size = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     setup_s = time.perf_counter() - t0
     phase(f"worker set up in {setup_s:.1f} s; first sync")
     first = worker.sync()
     phase(f"first sync: {first}")
 
-    rows = make_rows(args.batch * world * (args.steps + 1), seed=1, split="train")
-    mine = rows[rank::world]
+    rows = make_rows(args.batch * dp_size * (args.steps + 1), seed=1, split="train")
+    mine = rows[dp_rank::dp_size]
     arith = get_reward_fn("arith")
     vocab_half = len(tok) // 2
     log = []
     for step in range(1, args.steps + 1):
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t_step = time.perf_counter()
         batch = mine[(step - 1) * args.batch: step * args.batch]
         prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch]
-        responses, t_gen = worker.generate(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + rank)
+        responses, t_gen = worker.generate(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank)
+        if dp_size < world:  # ranks of one model-parallel replica train on one set of samples, as the trainer does
+            every = [None] * world
+            dist.all_gather_object(every, (dp_rank, responses))
+            responses = next(r for d, r in every if d == dp_rank)
         p_ids, r_ids, rewards, groups = [], [], [], []
         for g, (row, prompt, samples) in enumerate(zip(batch, prompts, responses)):
             for s in samples:
@@ -158,7 +180,7 @@ def main() -> None:
             "step": step, "reward/mean": sum(rewards) / len(rewards), "timing/gen": t_gen, "timing/sleep": t_sleep,
             "timing/old_logp": train["timing/old_logp"], "timing/ref_logp": train.get("timing/ref_logp", 0.0),
             "timing/update": train["timing/update"], "timing/sync_wall": t_sync, "timing/step": time.perf_counter() - t_step,
-            "rollout/tokens_per_s": tokens / t_gen, "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "rollout/tokens_per_s": tokens / t_gen, "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "actor/grad_norm": train["actor/grad_norm"], "actor/kl_loss": train["actor/kl_loss"],
             **{k: v for k, v in sync.items()},
         })
@@ -168,22 +190,39 @@ def main() -> None:
             print(json.dumps(log[-1]), flush=True)
 
     phase("steps done; measuring rollout speed")
-    # Rollout speed with and without the adapter, same prompts (greedy, 128 new tokens).
+    # Rollout speed with and without the adapter, same prompts (greedy, fixed length).
     prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]]
+    new_tokens = min(128, run.data.max_prompt_length + run.data.max_response_length - max(map(len, prompts)))
     speed = {}
     for label, lora in (("adapter", True), ("base", False)):
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True, detokenize=False)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         llm = worker.rollout._engine()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=worker.rollout._lora_request() if lora else None, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            lora_request=worker.rollout._lora_request() if lora else None, use_tqdm=False)
         secs = time.perf_counter() - start
         speed[label] = sum(len(o.outputs[0].token_ids) for o in outs) / secs
+    phase(f"rollout tokens/s ({len(prompts)} x {new_tokens} tokens) {speed}")
 
-    phase(f"rollout tokens/s {speed}; sleep/wake regression")
-    # Sleep/wake regression (collective syncs: every rank runs it).
-    greedy = lambda: worker.rollout.generate(prompts[:8], n=1, temperature=0.0, max_tokens=16)  # noqa: E731
+    regression = sleep_wake_regression(worker, prompts[:8]) if cuda else None
+    worker.shutdown()
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"backend": args.backend, "tp": args.tp, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
+                  "rollout_tokens_per_s": speed, "rollout_speed_shape": [len(prompts), new_tokens], "sleep_wake": regression,
+                  "device": torch.cuda.get_device_name() if cuda else "cpu"}
+        (out / f"grpo_{args.backend}_{args.model}_{world}{'gpu' if cuda else 'cpu'}.json").write_text(json.dumps(result, indent=1))
+        print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
+    phase("done")
+
+
+def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
+    """Level 1 keeps the base (same greedy tokens after wake); level 2 drops it, and the
+    next sync must resend it even though vLLM still lists the adapter. Every rank runs it."""
+    greedy = lambda: worker.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=16)  # noqa: E731
     before = greedy()
     worker.rollout.sleep(level=1)
     worker.rollout.wake_up()
@@ -194,26 +233,21 @@ def main() -> None:
     listed_after_l2 = worker.rollout.num_adapters()
     resend = worker.sync()  # wakes, sees the base is gone, resends base + adapter
     after_l2 = greedy()
-    regression = {
+    return {
         "level1_generation_unchanged": before == after_l1,
         "adapters_listed_before_level2": listed_before_l2,
         "adapters_listed_after_level2_sleep": listed_after_l2,
         "base_loaded_after_level2_sleep": base_loaded_after_l2,
         "sync_after_level2": resend["sync/kind"],
+        "sync_after_level2_probe_diff": resend.get("sync/logprob_diff_max"),
         "level2_resend_generation_unchanged": before == after_l2,
     }
-    worker.shutdown()
-    if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = {"model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
-                  "rollout_tokens_per_s": speed, "sleep_wake": regression, "device": torch.cuda.get_device_name()}
-        (out / f"grpo_{args.model}_{world}gpu.json").write_text(json.dumps(result, indent=1))
-        print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
 
 
 def _wait(kind: str, root: Path) -> Path:
-    path = root / ("qwen2_tiny" if kind == "tiny" else "qwen2_5_0_5b_random")
+    from lorarl.models.tiny import default_tiny_model_path
+
+    path = default_tiny_model_path() if kind == "tiny" else root / "qwen2_5_0_5b_random"
     marker = path / "config.json"
     if not marker.exists() or (kind == "tiny" and not any(path.glob("lorarl*"))):
         raise FileNotFoundError(path)
