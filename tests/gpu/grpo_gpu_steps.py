@@ -220,27 +220,52 @@ def main() -> None:
 
 
 def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
-    """Level 1 keeps the base (same greedy tokens after wake); level 2 drops it, and the
-    next sync must resend it even though vLLM still lists the adapter. Every rank runs it."""
-    greedy = lambda: worker.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=16)  # noqa: E731
-    before = greedy()
-    worker.rollout.sleep(level=1)
-    worker.rollout.wake_up()
-    after_l1 = greedy()
-    listed_before_l2 = worker.rollout.num_adapters()
-    worker.rollout.sleep(level=2)
-    base_loaded_after_l2 = worker.rollout.base_loaded
-    listed_after_l2 = worker.rollout.num_adapters()
+    """Level 1 keeps the base: the probe's log-probs and greedy tokens are unchanged after wake.
+    Level 2 drops it; vLLM still lists the adapter, the rollout knows better, and the next sync
+    resends base + adapter, after which the engine matches its state before sleeping.
+    Each state is read with the prefix cache emptied, so cached and fresh prefills are never
+    compared. Every rank runs it (syncs are collective)."""
+    r = worker.rollout
+    seq, start = worker.probe_seq
+
+    def state():
+        r.reset_prefix_cache()
+        tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+        r.reset_prefix_cache()
+        return tokens, torch.tensor(r.prompt_logprobs(seq, start))
+
+    tokens0, logp0 = state()
+    t0 = time.perf_counter()
+    r.sleep(level=1)
+    t_sleep1 = time.perf_counter() - t0
+    free_asleep = torch.cuda.mem_get_info()[0] / 2**30
+    t0 = time.perf_counter()
+    r.wake_up()
+    t_wake1 = time.perf_counter() - t0
+    tokens1, logp1 = state()
+    probe1 = worker.probe()
+    listed_before = r.num_adapters()
+    r.sleep(level=2)
+    base_loaded = r.base_loaded
+    listed_after = r.num_adapters()
     resend = worker.sync()  # wakes, sees the base is gone, resends base + adapter
-    after_l2 = greedy()
+    tokens2, logp2 = state()
     return {
-        "level1_generation_unchanged": before == after_l1,
-        "adapters_listed_before_level2": listed_before_l2,
-        "adapters_listed_after_level2_sleep": listed_after_l2,
-        "base_loaded_after_level2_sleep": base_loaded_after_l2,
+        "level1_sleep_s": t_sleep1,
+        "level1_wake_s": t_wake1,
+        "level1_free_gib_while_asleep": free_asleep,
+        "level1_logprob_diff": float((logp1 - logp0).abs().max()),
+        "level1_greedy_unchanged": tokens1 == tokens0,
+        "level1_probe_vs_trainer": probe1,
+        "adapters_listed_before_level2": listed_before,
+        "adapters_listed_after_level2_sleep": listed_after,
+        "base_loaded_after_level2_sleep": base_loaded,
         "sync_after_level2": resend["sync/kind"],
-        "sync_after_level2_probe_diff": resend.get("sync/logprob_diff_max"),
-        "level2_resend_generation_unchanged": before == after_l2,
+        "sync_after_level2_bytes": resend["sync/bytes"],
+        "sync_after_level2_seconds": resend["sync/seconds"],
+        "sync_after_level2_probe_vs_trainer": resend.get("sync/logprob_diff_max"),
+        "level2_logprob_diff": float((logp2 - logp0).abs().max()),
+        "level2_greedy_unchanged": tokens2 == tokens0,
     }
 
 

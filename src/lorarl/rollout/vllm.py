@@ -100,7 +100,7 @@ class VLLMRollout:
 
         kwargs: dict = dict(
             model=str(model_path),
-            dtype=_resolve_dtype(model_path, dtype),
+            dtype=self._engine_dtype(model_path, dtype),
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
@@ -128,6 +128,18 @@ class VLLMRollout:
             root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-", dir=root))
         self._release = _adopt_engine(self, self._llm, self._adapter_dir)
+
+    def _engine_dtype(self, model_path: str | os.PathLike, dtype: str) -> str:
+        resolved = _resolve_dtype(model_path, dtype)
+        if self._is_cpu or self.max_lora_rank is None or resolved != "float32":
+            return resolved
+        # vLLM's GPU LoRA kernels (punica, Triton) take 16-bit activations only.
+        if dtype == "auto":
+            return "bfloat16"
+        raise ConfigError(
+            "rollout.dtype=float32: vLLM's GPU LoRA kernels run in float16/bfloat16 only; set rollout.dtype=bfloat16 "
+            "(training keeps model.dtype) or model.lora.merge=true"
+        )
 
     # ------------------------------------------------------------------ state
     @property
