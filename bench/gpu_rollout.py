@@ -1,7 +1,8 @@
 """GPU rollout, adapter vs merged: vLLM sampling tokens/s and the sync cost of each.
 
-NOT RUN YET: written for an H200 host (one GPU is used); the session that wrote it had no
-device time left.
+First H200 run (bench/results/gpu_2026-11-30/gpu_rollout_failed_*.json) failed: the
+memory transport used a vLLM 0.32-only name (fixed), and a leftover engine reference kept
+the 7B run's second engine from starting (fixed). Not rerun yet.
 
 For the Qwen2.5-0.5B and 7B shapes (bf16, LoRA rank 64 alpha 128 on all linear projections,
 eager), one engine at a time on one GPU:
@@ -126,10 +127,11 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
         rollout = VLLMRollout(path, lora_rank=RANK, adapter_transport=transport, **kw)
         sync_loop(f"adapter_{transport}", rollout, adapter_payload)
         if transport == transports[0]:
-            llm = rollout._engine()
+            # No local name for the engine: one left alive here kept the next engine
+            # from finding its memory (7B: 62.7 of 62.9 GiB free).
             for prompts, tokens in workloads:
-                rates[("adapter", prompts)] = generation_rates(llm, all_prompts[:prompts], tokens, rollout._lora_request(), gen_repeats)
-                rates[("lora_no_adapter", prompts)] = generation_rates(llm, all_prompts[:prompts], tokens, None, gen_repeats)
+                rates[("adapter", prompts)] = generation_rates(rollout._engine(), all_prompts[:prompts], tokens, rollout._lora_request(), gen_repeats)
+                rates[("lora_no_adapter", prompts)] = generation_rates(rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats)
         rollout.shutdown()
         del rollout
         release()

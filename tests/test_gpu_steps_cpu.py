@@ -1,8 +1,9 @@
 """The GPU loop script (tests/gpu/grpo_gpu_steps.py) run on CPU, so CI keeps it working.
 
 Same code path as on the H200s minus sleep mode (the CPU vLLM build has none): torchrun with
-two ranks, each a Worker with FSDP2 over gloo and its own vLLM engine, four GRPO steps, an
-adapter sync + parity probe after each, then rollout speed with and without the adapter.
+two ranks, each a Worker with FSDP2 over gloo and its own vLLM engine, three GRPO steps, an
+adapter sync + parity probe after each, rollout speed with and without the adapter, then a
+base + adapter resend compared with the engine's state before it, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -28,4 +29,10 @@ def test_gpu_steps_script_runs_on_cpu(tiny_model_path, tmp_path):  # the fixture
     assert all(s["sync/num_adapters"] == 1 for s in result["steps"])
     assert max(s["sync/logprob_diff_max"] for s in result["steps"]) < 1e-4
     assert result["rollout_tokens_per_s"]["adapter"] > 0 and result["rollout_tokens_per_s"]["base"] > 0
-    assert result["sleep_wake"] is None  # no sleep mode on CPU
+    # No sleep mode on CPU: the base is marked gone instead, and the resend of base + adapter
+    # must leave every engine tensor as it was.
+    resend = result["sleep_wake"]
+    assert resend["sync_after_resend"] == "base+adapter"
+    assert resend["resend_tensor_changes"]["changed"] == 0, resend
+    assert resend["resend_tensor_changes"]["tensors"] > 0
+    assert resend["resend_logprob_diff"] == 0.0 and resend["resend_greedy_unchanged"]

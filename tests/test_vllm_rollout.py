@@ -283,3 +283,19 @@ def test_engines_overlap_and_rebuild_in_one_process(tiny_model_path: Path, hf_ba
     second.shutdown()
     with make_rollout(tiny_model_path, lora_rank=None) as third:
         assert vllm_greedy(third, prompts) == want
+
+
+def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
+    """The in-memory adapter path hands vLLM the model's name mapper the way vLLM's own
+    directory loader does (0.32 names that variant get_rename_mapper, 0.26 get_unstacked_mapper)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from lorarl.rollout.vllm import lora_name_mapper
+
+    full = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")})
+    mapped = lora_name_mapper(full)
+    assert mapped.orig_to_new_prefix == {"model.": "language_model.model."}
+    assert mapped.orig_to_new_stacked == {}
+    assert lora_name_mapper(None) is None
+    with pytest.raises(SyncError, match="rollout.adapter_transport=tmpfs"):
+        lora_name_mapper(object())

@@ -198,15 +198,14 @@ def main() -> None:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        llm = worker.rollout._engine()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+        outs = worker.rollout._engine().generate([{"prompt_token_ids": p} for p in prompts], params,
                             lora_request=worker.rollout._lora_request() if lora else None, use_tqdm=False)
         secs = time.perf_counter() - start
         speed[label] = sum(len(o.outputs[0].token_ids) for o in outs) / secs
     phase(f"rollout tokens/s ({len(prompts)} x {new_tokens} tokens) {speed}")
 
-    regression = sleep_wake_regression(worker, prompts[:8]) if cuda else None
+    regression = sleep_wake_regression(worker, prompts[:8]) if cuda else resend_regression(worker, prompts[:8])
     worker.shutdown()
     if rank == 0:
         out = Path(args.out)
@@ -219,22 +218,92 @@ def main() -> None:
     phase("done")
 
 
-def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
-    """Level 1 keeps the base: the probe's log-probs and greedy tokens are unchanged after wake.
-    Level 2 drops it; vLLM still lists the adapter, the rollout knows better, and the next sync
-    resends base + adapter, after which the engine matches its state before sleeping.
-    Each state is read with the prefix cache emptied, so cached and fresh prefills are never
-    compared. Every rank runs it (syncs are collective)."""
+def engine_tensors(vllm_worker) -> dict[str, torch.Tensor]:
+    """Inside the vLLM worker: host copies of every tensor the model holds (parameters,
+    buffers, and tensor attributes such as the LoRA stacks), the KV cache excepted."""
+    model = vllm_worker.model_runner.get_model()
+    out = {f"param:{n}": t.detach().to("cpu", copy=True) for n, t in model.named_parameters()}
+    out |= {f"buffer:{n}": t.detach().to("cpu", copy=True) for n, t in model.named_buffers()}
+    for module_name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key.startswith("_") or key == "kv_cache":
+                continue
+            for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    out[f"attr:{module_name}.{key}[{i}]"] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def tensor_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
+    """What differs between two engine_tensors snapshots: names and max |difference|."""
+    changed = {}
+    for name, old in before.items():
+        new = after.get(name)
+        if new is None or new.shape != old.shape:
+            changed[name] = "missing or reshaped"
+        elif not torch.equal(new, old):
+            changed[name] = float((new.double() - old.double()).abs().max())
+    worst = sorted(changed.items(), key=lambda kv: -1.0 if isinstance(kv[1], str) else -kv[1])
+    return {"tensors": len(before), "changed": len(changed), "worst": dict(worst[:20])}
+
+
+def _snapshot(worker) -> dict[str, torch.Tensor]:
+    return worker.rollout._engine().collective_rpc(engine_tensors)[0]
+
+
+def _resend(worker) -> tuple[dict, float]:
+    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe diff)."""
+    t = worker.run.trainer
+    check = t.check_sync
+    t.check_sync = False
+    try:
+        out = worker.sync()
+    finally:
+        t.check_sync = check
+    tol = t.check_sync_tolerance
+    t.check_sync_tolerance = float("inf")
+    try:
+        return out, worker.probe()
+    finally:
+        t.check_sync_tolerance = tol
+
+
+def _greedy_and_probe(worker, prompts):
+    """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
+    so cached and fresh prefills are never compared."""
     r = worker.rollout
     seq, start = worker.probe_seq
+    r.reset_prefix_cache()
+    tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+    r.reset_prefix_cache()
+    return tokens, torch.tensor(r.prompt_logprobs(seq, start))
 
-    def state():
-        r.reset_prefix_cache()
-        tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
-        r.reset_prefix_cache()
-        return tokens, torch.tensor(r.prompt_logprobs(seq, start))
 
-    tokens0, logp0 = state()
+def resend_regression(worker, prompts: list[list[int]]) -> dict:
+    """CPU stand-in for the level-2 path (no sleep mode there): mark the base as gone, let
+    the next sync resend base + adapter, and compare the engine tensor by tensor."""
+    before = _snapshot(worker)
+    tokens0, logp0 = _greedy_and_probe(worker, prompts)
+    worker.rollout.base_loaded = False
+    resend, probe = _resend(worker)
+    tokens1, logp1 = _greedy_and_probe(worker, prompts)
+    return {
+        "sync_after_resend": resend["sync/kind"],
+        "resend_probe_vs_trainer": probe,
+        "resend_tensor_changes": tensor_changes(before, _snapshot(worker)),
+        "resend_logprob_diff": float((logp1 - logp0).abs().max()),
+        "resend_greedy_unchanged": tokens1 == tokens0,
+    }
+
+
+def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
+    """Level 1 keeps the base: the engine's tensors, the probe's log-probs and greedy tokens
+    are unchanged after wake. Level 2 drops it; vLLM still lists the adapter, the rollout
+    knows better, and the next sync resends base + adapter, after which every tensor of the
+    engine must equal its state before sleeping. Every rank runs it (syncs are collective)."""
+    r = worker.rollout
+    before = _snapshot(worker)
+    tokens0, logp0 = _greedy_and_probe(worker, prompts)
     t0 = time.perf_counter()
     r.sleep(level=1)
     t_sleep1 = time.perf_counter() - t0
@@ -242,18 +311,21 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t0 = time.perf_counter()
     r.wake_up()
     t_wake1 = time.perf_counter() - t0
-    tokens1, logp1 = state()
+    level1_changes = tensor_changes(before, _snapshot(worker))
+    tokens1, logp1 = _greedy_and_probe(worker, prompts)
     probe1 = worker.probe()
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded
     listed_after = r.num_adapters()
-    resend = worker.sync()  # wakes, sees the base is gone, resends base + adapter
-    tokens2, logp2 = state()
+    resend, probe2 = _resend(worker)  # wakes, sees the base is gone, resends base + adapter
+    level2_changes = tensor_changes(before, _snapshot(worker))
+    tokens2, logp2 = _greedy_and_probe(worker, prompts)
     return {
         "level1_sleep_s": t_sleep1,
         "level1_wake_s": t_wake1,
         "level1_free_gib_while_asleep": free_asleep,
+        "level1_tensor_changes": level1_changes,
         "level1_logprob_diff": float((logp1 - logp0).abs().max()),
         "level1_greedy_unchanged": tokens1 == tokens0,
         "level1_probe_vs_trainer": probe1,
@@ -263,7 +335,8 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
         "sync_after_level2": resend["sync/kind"],
         "sync_after_level2_bytes": resend["sync/bytes"],
         "sync_after_level2_seconds": resend["sync/seconds"],
-        "sync_after_level2_probe_vs_trainer": resend.get("sync/logprob_diff_max"),
+        "sync_after_level2_probe_vs_trainer": probe2,
+        "level2_tensor_changes": level2_changes,
         "level2_logprob_diff": float((logp2 - logp0).abs().max()),
         "level2_greedy_unchanged": tokens2 == tokens0,
     }

@@ -60,12 +60,15 @@ def test_grpo_steps_on_gpu(backend, model, world, tp, tmp_path):
     peak = [s["memory/max_allocated_gib"] for s in steps]
     assert max(peak[1:]) <= peak[1] * 1.05 + 0.1, f"GPU memory grows across steps: {peak}"
     sw = result["sleep_wake"]
-    # Same weights back, same kernels, same batch: the engine's numbers must not move.
+    # Same weights back: every engine tensor (parameters, buffers, LoRA stacks) as before sleeping.
+    assert sw["level1_tensor_changes"]["changed"] == 0, sw["level1_tensor_changes"]
     assert sw["level1_logprob_diff"] <= 1e-3, sw
     assert sw["level1_probe_vs_trainer"] <= PROBE_TOL[model], sw
     assert sw["adapters_listed_after_level2_sleep"] == 1  # what vLLM claims; the rollout must not trust it
     assert sw["base_loaded_after_level2_sleep"] is False
     assert sw["sync_after_level2"] == "base+adapter"
+    assert sw["level2_tensor_changes"]["changed"] == 0, sw["level2_tensor_changes"]
+    assert sw["sync_after_level2_probe_vs_trainer"] <= PROBE_TOL[model], sw
     assert sw["level2_logprob_diff"] <= 1e-3, sw
     if model == "tiny":  # a trained model's greedy choice has margins; a random one's may not
         assert sw["level1_greedy_unchanged"] and sw["level2_greedy_unchanged"], sw

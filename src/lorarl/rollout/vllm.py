@@ -486,11 +486,26 @@ def _finish_interrupted_reload(worker) -> None:
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
 
 
+def lora_name_mapper(mapper):
+    """The model's HF->vLLM name mapper as vLLM's own adapter loader uses it: renames kept,
+    fused-projection maps dropped (so `q_proj` survives for the LoRA manager to pack).
+    vLLM 0.32 calls that variant get_rename_mapper, 0.26 get_unstacked_mapper."""
+    if mapper is None:
+        return None
+    for variant in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, variant):
+            return getattr(mapper, variant)()
+    raise SyncError(
+        f"this vLLM's {type(mapper).__name__} has neither get_rename_mapper nor get_unstacked_mapper; "
+        "use rollout.adapter_transport=tmpfs"
+    )
+
+
 def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], config: dict) -> None:
     """Runs inside the vLLM worker: vLLM's adapter loading minus the directory read.
 
-    Mirrors LRUCacheWorkerLoRAManager._load_adapter + add_adapter (vLLM 0.32); these
-    are internals, so a vLLM upgrade may need this revisited (tmpfs needs no internals).
+    Mirrors LRUCacheWorkerLoRAManager._load_adapter + add_adapter (vLLM 0.26 and 0.32);
+    these are internals, so a vLLM upgrade may need this revisited (tmpfs needs none).
     """
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
@@ -502,7 +517,7 @@ def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], 
     )
     helper.validate_legal(manager.lora_config)
     model = adapters.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = lora_name_mapper(getattr(model, "hf_to_vllm_mapper", None))
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_id,
         tensors=tensors,
@@ -510,7 +525,7 @@ def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], 
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        weights_mapper=mapper,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     adapters.remove_adapter(lora_id)
