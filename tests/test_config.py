@@ -152,6 +152,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.tensor_model_parallel_size"),
         (["trainer.logger=[console,mlflow]"], "trainer.logger"),
         (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
+        (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
@@ -168,6 +169,13 @@ def test_megatron_checks(hydra_compose):
         to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
     run = to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
     assert run.model.lora.merge
+    # Tensor-parallel ranks share a replica: batch sizes divide over replicas, not devices.
+    run = to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+                                       "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size_per_gpu=3"]))
+    assert run.data.train_batch_size == 3
+    with pytest.raises(ConfigError, match="data-parallel replicas"):
+        to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4",
+                                     "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]))
 
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

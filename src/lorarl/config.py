@@ -155,9 +155,11 @@ class TrainerConfig:
     # auto: cuda when GPUs are visible, else cpu (gloo).
     device: str = "auto"
     seed: int = 1
-    # After each sync, compare trainer and vLLM log-probs on a fixed sequence.
-    check_sync: bool = False
-    check_sync_tolerance: float = 0.05
+    # After each sync, compare trainer and vLLM log-probs on a fixed sequence; stop the run
+    # when they disagree by more than the tolerance (null: 1e-3 when both sides compute in
+    # float32, 0.15 when either is 16-bit; bf16 on H200 measured 0.03-0.04 at 0.5B).
+    check_sync: bool = True
+    check_sync_tolerance: Optional[float] = None
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
     # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
     default_local_dir: str = "checkpoints"
@@ -351,6 +353,10 @@ def validate(run: RunConfig) -> None:
 
     _one_of("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _check(t.nnodes >= 1 and t.n_gpus_per_node >= 1, "trainer.nnodes and trainer.n_gpus_per_node must be >= 1")
+    _check(
+        t.check_sync_tolerance is None or t.check_sync_tolerance > 0,
+        f"trainer.check_sync_tolerance={t.check_sync_tolerance} must be > 0, or null for the default by precision",
+    )
     for lg in t.logger:
         _one_of("trainer.logger", lg, ("console", "jsonl", "wandb", "tensorboard"))
     _check(

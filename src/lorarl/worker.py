@@ -181,6 +181,16 @@ class Worker:
     def set_probe(self, token_ids: list[int], start: int) -> None:
         self.probe_seq = (list(token_ids), start)
 
+    @property
+    def probe_tolerance(self) -> float:
+        configured = self.run.trainer.check_sync_tolerance
+        if configured is not None:
+            return configured
+        # FSDP's mixed precision applies on GPU only; Megatron computes in model.dtype.
+        mixed = getattr(self.run.backend, "mixed_precision", "float32") if self.device.type == "cuda" else "float32"
+        trainer_fp32 = self.run.model.dtype == "float32" and mixed == "float32"
+        return 1e-3 if trainer_fp32 and self.rollout.dtype == "float32" else 0.15
+
     def probe(self) -> float:
         """Max |trainer - vLLM| log-prob over the probe's response tokens; too large is an error."""
         token_ids, start = self.probe_seq
@@ -188,7 +198,7 @@ class Worker:
         trainer = self.engine.log_probs(batch, temperature=1.0)[0, start - 1 : len(token_ids) - 1]
         vllm = torch.tensor(self.rollout.prompt_logprobs(token_ids, start), dtype=torch.float32)
         diff = float((trainer - vllm).abs().max())
-        tol = self.run.trainer.check_sync_tolerance
+        tol = self.probe_tolerance
         if diff > tol:
             raise SyncError(
                 f"rank {self.rank}: after the sync vLLM and the trainer disagree on the probe sequence "

@@ -90,6 +90,7 @@ class VLLMRollout:
             )
         self.lora_rank = lora_rank
         self.max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
+        self.dtype = self._engine_dtype(model_path, dtype)  # what the engine computes in
         self.adapter_transport: AdapterTransport = adapter_transport
         self.enable_sleep_mode = enable_sleep_mode
         self.base_loaded = load_format != "dummy"
@@ -100,7 +101,7 @@ class VLLMRollout:
 
         kwargs: dict = dict(
             model=str(model_path),
-            dtype=self._engine_dtype(model_path, dtype),
+            dtype=self.dtype,
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
