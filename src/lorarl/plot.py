@@ -18,7 +18,9 @@ CURVES = {
     "kl": ("actor/kl_loss", "KL to the base model"),
     "response_length": ("response_length/mean", "mean response length (tokens)"),
     "sync_seconds": ("sync/seconds", "weight sync (s)"),
+    "sync_parity": ("sync/logprob_diff_max", "max |trainer - vLLM| logp"),
 }
+LOG_SCALE = {"sync_parity"}  # fp32 runs sit near 1e-6, bf16 near 1e-2
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -53,6 +55,8 @@ def plot(path: str | Path) -> list[Path]:
         if not drawn:
             plt.close(fig)
             continue
+        if stem in LOG_SCALE:
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.set_title(label)
