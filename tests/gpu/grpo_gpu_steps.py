@@ -1,23 +1,24 @@
-"""A few GRPO-LoRA steps on GPUs: colocated FSDP2 (NCCL) + vLLM (CUDA, sleep mode) per rank.
+"""A few GRPO-LoRA steps on GPUs: colocated FSDP2 (NCCL) or Megatron + vLLM (CUDA, sleep mode) per rank.
 
     torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b --steps 4 --out DIR
     torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --backend megatron --tp 2 ...
+    ... --merge      merged sync: vLLM without LoRA, W + BA pushed every step (level-2 sleep)
 
 (`--device cpu` runs the same flow on the CPU build of vLLM, without sleep mode, so the
 script itself is checked where no GPU is.)
 
 Each rank drives its own `Worker` (the same class the Ray trainer places on every device):
 generate -> reward -> GRPO advantages -> sleep vLLM -> old/ref log-probs + PPO update ->
-wake + adapter sync + parity probe. Rank 0 writes DIR/grpo_<backend>_<model>_<world>gpu.json with per-step
-timings, sync sizes, probe differences, adapter counts and peak memory, then runs the
-sleep/wake regression: level-1 sleep keeps the base (generation unchanged), level-2 sleep
-drops it and the next sync must resend it.
+wake + sync + parity probe. Rank 0 writes DIR/grpo_<backend>_<model>[_merged]_<world>gpu.json
+with per-step timings, sync sizes, probe differences, adapter counts and peak memory, rollout
+tokens/s, and the sleep/wake regression: level-1 sleep keeps the base, level-2 sleep drops it
+and the next sync must resend it; both are checked tensor by tensor against the engine's state
+before sleeping (on CPU: a resend after marking the base gone).
 
 The 0.5B case uses random weights with Qwen2.5-0.5B's real shape (nothing can be
 downloaded on the GPU machine) and a reward that prefers low token ids, so advantages are
 non-zero and the adapter moves; the tiny case uses the warmed-up embedded model and the
-real arithmetic reward.
-"""
+real arithmetic reward."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def build_model(kind: str, root: Path) -> Path:
     return path
 
 
-def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int):
+def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int, merge: bool):
     from lorarl.config import (
         ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, MegatronBackendConfig, ModelConfig,
         OptimConfig, RolloutConfig, RunConfig, TrainerConfig, validate,
@@ -74,7 +75,7 @@ def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device
         engine = FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16")
     run = RunConfig(
         model=ModelConfig(path=str(model_path), dtype="float32" if tiny else "bfloat16",
-                          enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32)),
+                          enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32, merge=merge)),
         data=DataConfig(train_files=["unused"], train_batch_size=batch * dp, max_prompt_length=64, max_response_length=8 if tiny else 128),
         rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny),
         actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * dp,
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
     ap.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
+    ap.add_argument("--merge", action="store_true", help="merged sync: vLLM without LoRA, W + BA pushed every step")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -127,7 +129,7 @@ def main() -> None:
             model_path = build_model(args.model, root) if rank == 0 else _wait(args.model, root)
         except FileNotFoundError:
             time.sleep(1)
-    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp)
+    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp, args.merge)
     cuda = args.device == "cuda"
     tok = AutoTokenizer.from_pretrained(model_path)
     phase(f"model ready at {model_path}; setting up worker")
@@ -184,8 +186,8 @@ def main() -> None:
             "actor/grad_norm": train["actor/grad_norm"], "actor/kl_loss": train["actor/kl_loss"],
             **{k: v for k, v in sync.items()},
         })
-        assert sync["sync/kind"] == "adapter", sync
-        assert sync["sync/num_adapters"] == 1, sync
+        assert sync["sync/kind"] == ("base" if args.merge else "adapter"), sync
+        assert sync["sync/num_adapters"] == (0 if args.merge else 1), sync
         if rank == 0:
             print(json.dumps(log[-1]), flush=True)
 
@@ -194,7 +196,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]]
     new_tokens = min(128, run.data.max_prompt_length + run.data.max_response_length - max(map(len, prompts)))
     speed = {}
-    for label, lora in (("adapter", True), ("base", False)):
+    for label, lora in ((("merged", False),) if args.merge else (("adapter", True), ("base", False))):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -210,10 +212,10 @@ def main() -> None:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result = {"backend": args.backend, "tp": args.tp, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
+        result = {"backend": args.backend, "tp": args.tp, "merge": args.merge, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
                   "rollout_tokens_per_s": speed, "rollout_speed_shape": [len(prompts), new_tokens], "sleep_wake": regression,
                   "device": torch.cuda.get_device_name() if cuda else "cpu"}
-        (out / f"grpo_{args.backend}_{args.model}_{world}{'gpu' if cuda else 'cpu'}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{run_name(args.backend, args.model, world, args.merge, cuda)}.json").write_text(json.dumps(result, indent=1))
         print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
     phase("done")
 
@@ -340,6 +342,10 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
         "level2_logprob_diff": float((logp2 - logp0).abs().max()),
         "level2_greedy_unchanged": tokens2 == tokens0,
     }
+
+
+def run_name(backend: str, model: str, world: int, merge: bool, cuda: bool = True) -> str:
+    return f"grpo_{backend}_{model}{'_merged' if merge else ''}_{world}{'gpu' if cuda else 'cpu'}"
 
 
 def _wait(kind: str, root: Path) -> Path:

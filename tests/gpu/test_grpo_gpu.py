@@ -30,32 +30,35 @@ def gpus() -> int:
 
 
 @pytest.mark.parametrize(
-    "backend,model,world,tp",
+    "backend,model,world,tp,merge",
     [
-        ("fsdp", "tiny", 1, 1),
-        ("fsdp", "qwen2_5_0_5b", 1, 1),
-        ("fsdp", "qwen2_5_0_5b", 2, 1),
-        ("megatron", "tiny", 1, 1),
-        ("megatron", "qwen2_5_0_5b", 2, 2),
+        ("fsdp", "tiny", 1, 1, False),
+        ("fsdp", "qwen2_5_0_5b", 1, 1, False),
+        ("fsdp", "qwen2_5_0_5b", 2, 1, False),
+        ("megatron", "tiny", 1, 1, False),
+        ("megatron", "qwen2_5_0_5b", 2, 2, False),
+        ("fsdp", "qwen2_5_0_5b", 1, 1, True),
+        ("megatron", "qwen2_5_0_5b", 2, 2, True),
     ],
 )
-def test_grpo_steps_on_gpu(backend, model, world, tp, tmp_path):
+def test_grpo_steps_on_gpu(backend, model, world, tp, merge, tmp_path):
     if gpus() < world:
         pytest.skip(f"needs {world} GPUs")
     if backend == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
     out = Path(os.environ.get("LORARL_GPU_LOG_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
-    name = f"grpo_{backend}_{model}_{world}gpu"
+    name = f"grpo_{backend}_{model}{'_merged' if merge else ''}_{world}gpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests/gpu/grpo_gpu_steps.py"), "--backend", backend, "--tp", str(tp),
-           "--model", model, "--steps", "4", "--out", str(out)]
+           "--model", model, "--steps", "4", "--out", str(out)] + (["--merge"] if merge else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     result = json.loads((out / f"{name}.json").read_text())
     steps = result["steps"]
-    assert all(s["sync/kind"] == "adapter" and s["sync/num_adapters"] == 1 for s in steps)
+    kind, adapters = ("base", 0) if merge else ("adapter", 1)
+    assert all(s["sync/kind"] == kind and s["sync/num_adapters"] == adapters for s in steps)
     assert max(s["sync/logprob_diff_max"] for s in steps) <= PROBE_TOL[model]
     peak = [s["memory/max_allocated_gib"] for s in steps]
     assert max(peak[1:]) <= peak[1] * 1.05 + 0.1, f"GPU memory grows across steps: {peak}"
@@ -64,9 +67,9 @@ def test_grpo_steps_on_gpu(backend, model, world, tp, tmp_path):
     assert sw["level1_tensor_changes"]["changed"] == 0, sw["level1_tensor_changes"]
     assert sw["level1_logprob_diff"] <= 1e-3, sw
     assert sw["level1_probe_vs_trainer"] <= PROBE_TOL[model], sw
-    assert sw["adapters_listed_after_level2_sleep"] == 1  # what vLLM claims; the rollout must not trust it
+    assert sw["adapters_listed_after_level2_sleep"] == adapters  # what vLLM claims; the rollout must not trust it
     assert sw["base_loaded_after_level2_sleep"] is False
-    assert sw["sync_after_level2"] == "base+adapter"
+    assert sw["sync_after_level2"] == ("base" if merge else "base+adapter")
     assert sw["level2_tensor_changes"]["changed"] == 0, sw["level2_tensor_changes"]
     assert sw["sync_after_level2_probe_vs_trainer"] <= PROBE_TOL[model], sw
     assert sw["level2_logprob_diff"] <= 1e-3, sw
