@@ -299,3 +299,41 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
     assert lora_name_mapper(None) is None
     with pytest.raises(SyncError, match="rollout.adapter_transport=tmpfs"):
         lora_name_mapper(object())
+
+
+def _count_lora_index_rebuilds(worker) -> int:
+    """Inside the vLLM worker: wrap the LoRA manager's index rebuild with a counter (once)."""
+    manager = getattr(worker, "worker", worker).model_runner.lora_manager._adapter_manager
+    if not hasattr(manager, "lorarl_rebuilds"):
+        rebuild = manager._set_adapter_mapping
+        manager.lorarl_rebuilds = 0
+
+        def counted(mapping):
+            manager.lorarl_rebuilds += 1
+            return rebuild(mapping)
+
+        manager._set_adapter_mapping = counted
+    return manager.lorarl_rebuilds
+
+
+def test_wake_makes_vllm_rebuild_its_lora_indices(tiny_model_path: Path, peft_model, prompts):
+    """vLLM rebuilds its per-batch LoRA index tensors only when a batch's mapping differs from
+    the last one. On GPU those tensors live in the weights memory pool, so after a level-2 sleep
+    the same probe request ran on garbage indices (H200: log-prob off by 0.3-2.6 with every
+    weight right). refresh_lora_mapping, run on every weights wake, forces the rebuild."""
+    randomize(peft_model, seed=11)
+    r = make_rollout(tiny_model_path)
+    try:
+        r.apply(adapter_payload(peft_model))
+        seq, start = prompts[0] + [5, 6, 7, 8], len(prompts[0])
+        rebuilds = lambda: r._engine().collective_rpc(_count_lora_index_rebuilds)[0]  # noqa: E731
+        first = rebuilds()
+        expected = r.prompt_logprobs(seq, start)
+        after_one = rebuilds()
+        assert r.prompt_logprobs(seq, start) == expected
+        assert rebuilds() == after_one  # same mapping: vLLM reuses the index tensors as they are
+        r.refresh_lora_mapping()
+        assert r.prompt_logprobs(seq, start) == expected
+        assert rebuilds() == after_one + 1 and after_one >= first
+    finally:
+        r.shutdown()

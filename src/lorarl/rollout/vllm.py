@@ -388,7 +388,18 @@ class VLLMRollout:
         self._engine().wake_up(tags)
         if tags is None or "weights" in tags:
             self._asleep = False
+            if self.lora_enabled:
+                self.refresh_lora_mapping()
         self._engine().reset_prefix_cache()
+
+    def refresh_lora_mapping(self) -> None:
+        """Make vLLM rewrite its per-batch LoRA index tensors before the next forward.
+
+        They live in the weights memory pool, so a level-2 sleep discards them, and vLLM only
+        rewrites them when a batch's LoRA mapping differs from the last one: the same probe
+        sequence after a level-2 sleep then ran with garbage indices (H200, vLLM 0.26: log-prob
+        off by 0.3-2.6 while every weight was right)."""
+        self._engine().collective_rpc(_forget_lora_mapping)
 
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:
@@ -474,6 +485,15 @@ def _wrapped_param_names(worker) -> list[str]:
             continue
         out += [f"{module_name}.base_layer.{n}" for n, _ in base.named_parameters(recurse=False)]
     return out
+
+
+def _forget_lora_mapping(worker) -> None:
+    """Inside the vLLM worker: drop the LoRA manager's memory of the last batch mapping."""
+    manager = getattr(getattr(worker, "worker", worker).model_runner, "lora_manager", None)
+    adapters = getattr(manager, "_adapter_manager", None)
+    if adapters is None or not hasattr(adapters, "_last_mapping"):
+        raise SyncError("this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep")
+    adapters._last_mapping = None
 
 
 def _finish_interrupted_reload(worker) -> None:
