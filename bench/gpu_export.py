@@ -1,6 +1,6 @@
 """GPU export gather cost (2 GPUs, NCCL), bf16, LoRA rank 64 on all linear projections.
 
-NOT RUN YET: written for a 2 x H200 host; the session that wrote it had no device time left.
+Run on 2 x H200: bench/results/gpu_2026-11-30/gpu_export.{json,md}.
 
 For the Qwen2.5-0.5B and Qwen2.5-7B shapes (random weights, real configs) this runs
 bench/export_gather_worker.py under torchrun with --device cuda: seconds (slowest rank) and

@@ -1,6 +1,6 @@
 """GPU training throughput: FSDP2 + LoRA tokens/s per GPU and MFU against the measured peak.
 
-NOT RUN YET: written for a 2 x H200 host; the session that wrote it had no device time left.
+Run on 2 x H200: bench/results/gpu_2026-11-30/gpu_throughput.{json,md}.
 
 Qwen2.5-0.5B and 7B shapes, bf16, LoRA rank 64 on all linear projections, gradient
 checkpointing, 2 GPUs; (4 x 1024) and (1 x 4096) tokens per GPU per step. MFU is against

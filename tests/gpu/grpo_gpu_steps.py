@@ -121,8 +121,6 @@ def main() -> None:
     from lorarl.worker import Worker
 
     root = Path(args.cache)
-    if rank == 0:
-        build_model(args.model, root)
     model_path = None
     while model_path is None:  # no process group yet: wait for rank 0's files
         try:
@@ -184,7 +182,7 @@ def main() -> None:
             "timing/update": train["timing/update"], "timing/sync_wall": t_sync, "timing/step": time.perf_counter() - t_step,
             "rollout/tokens_per_s": tokens / t_gen, "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "actor/grad_norm": train["actor/grad_norm"], "actor/kl_loss": train["actor/kl_loss"],
-            **{k: v for k, v in sync.items()},
+            **sync,
         })
         assert sync["sync/kind"] == ("base" if args.merge else "adapter"), sync
         assert sync["sync/num_adapters"] == (0 if args.merge else 1), sync
