@@ -131,3 +131,15 @@ def test_multirun_folders_and_summary(cache, tmp_path):
     csv_rows = (sweep / "summary.csv").read_text().strip().splitlines()
     assert len(csv_rows) == 3
     assert (sweep / "plot_reward.png").exists()
+
+
+def test_workers_get_the_launchers_communication_settings(monkeypatch):
+    """NCCL_NVLS_ENABLE=0 and friends set by the launching shell must reach every Ray worker."""
+    from lorarl.worker import worker_env
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    monkeypatch.setenv("LORARL_UNRELATED", "x")
+    env = worker_env()
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert "LORARL_UNRELATED" not in env and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -271,9 +271,16 @@ def make_engine(run: RunConfig, device: torch.device):
     return FSDPEngine(run, device)
 
 
+# Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink
+# multicast must stay off) reach every worker, also on a Ray cluster whose nodes were started
+# with another environment.
+FORWARDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+
+
 def worker_env() -> dict[str, str]:
     """Environment every worker process needs before vLLM is imported."""
-    return {
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    return env | {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "TOKENIZERS_PARALLELISM": "false",
