@@ -252,9 +252,14 @@ def test_failed_base_sync_clears_base_loaded_until_a_full_one(merged_rollout, hf
 
 
 # ------------------------------------------------------------------ sleep state
-def test_sleep_level_follows_the_mode(rollout, merged_rollout):
+def test_sleep_level_follows_the_base_state(rollout, merged_rollout, tiny_model_path: Path):
     assert rollout.sleep_level == 1  # adapter mode keeps the base
     assert merged_rollout.sleep_level == 2  # merged mode resends it each step
+    dummy = make_rollout(tiny_model_path, load_format="dummy")
+    try:
+        assert dummy.sleep_level == 2  # random weights waiting for a base payload: nothing to keep
+    finally:
+        dummy.shutdown()
     with pytest.raises(ConfigError, match="enable_sleep_mode is false"):
         rollout.sleep()
 

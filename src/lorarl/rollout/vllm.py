@@ -154,9 +154,10 @@ class VLLMRollout:
 
     @property
     def sleep_level(self) -> int:
-        # Adapter mode sends only the adapter, so the base must survive the sleep
-        # (level 1, kept in host RAM); merged mode resends the base every step anyway.
-        return 1 if self.lora_enabled else 2
+        # Read from the one state: a loaded base that only adapters will update must survive
+        # the sleep (level 1, kept in host RAM); merged mode resends the base every step, and
+        # a base not loaded yet (dummy load) is not worth keeping (level 2).
+        return 1 if self.lora_enabled and self.base_loaded else 2
 
     def num_adapters(self) -> int:
         if not self.lora_enabled:
