@@ -7,13 +7,20 @@ same process, so two numbers taken minutes apart on a noisy machine are never di
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Short names the GPU measurements take in --models.
+GPU_MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
 
 # Shapes of the real Qwen2.5 configs (random weights stand in for the real ones). head_dim is
 # 128 at 7B and 64 at 0.5B; 64 is also what vLLM's CPU attention needs.
@@ -120,6 +127,15 @@ def qwen05_shaped_model(cache: Path, layers: int = 24, dtype: str = "bfloat16") 
     return shaped_model(cache, "qwen2.5-0.5b", layers, dtype)
 
 
+def shaped_model_path(cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16") -> Path:
+    """Where shaped_model puts (or has put) that model; complete once SHAPED_MODEL_DONE is in it."""
+    depth = SHAPES[shape]["num_hidden_layers"] if layers is None else layers
+    return cache / "bench" / f"{shape.replace('.', '_')}_shape_l{depth}_{dtype}"
+
+
+SHAPED_MODEL_DONE = "bench_model.json"
+
+
 def shaped_model(cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cpu") -> Path:
     """A random model with a real Qwen2.5 shape (optionally fewer decoder layers), saved as
     safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
@@ -130,8 +146,8 @@ def shaped_model(cache: Path, shape: str, layers: int | None = None, dtype: str 
     dims = dict(SHAPES[shape])
     if layers is not None:
         dims["num_hidden_layers"] = layers
-    path = cache / "bench" / f"{shape.replace('.', '_')}_shape_l{dims['num_hidden_layers']}_{dtype}"
-    done = path / "bench_model.json"
+    path = shaped_model_path(cache, shape, layers, dtype)
+    done = path / SHAPED_MODEL_DONE
     if done.is_file():
         return path
     tiny = tiny_model(cache)
@@ -157,7 +173,7 @@ def shaped_model(cache: Path, shape: str, layers: int | None = None, dtype: str 
     model.to("cpu").save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    (tmp / "bench_model.json").write_text(json.dumps({"shape": shape, "dims": dims, "dtype": dtype, "params": n_params}))
+    (tmp / SHAPED_MODEL_DONE).write_text(json.dumps({"shape": shape, "dims": dims, "dtype": dtype, "params": n_params}))
     del model
     if path.exists():
         import shutil
@@ -239,3 +255,33 @@ def environment() -> dict:
     except (OSError, IndexError, ValueError):
         pass
     return out
+
+
+def torchrun(module: str, args: list[str], world: int, timeout: int, threads: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m <module> args` on `world` ranks of this host (torchrun --standalone)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONWARNINGS": "ignore",
+    }
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", module, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def gpu_args(name: str, description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line every multi-GPU measurement takes; stops unless enough GPUs are visible."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--models", default="qwen05,qwen7")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < args.world:
+        raise SystemExit(f"{name} needs {args.world} CUDA GPUs; found {found}")
+    return args

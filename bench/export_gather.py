@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Record, Stat, cache_dir, qwen05_shaped_model, ratio_stat, tiny_model, write_json
+from bench.common import Record, Stat, cache_dir, qwen05_shaped_model, ratio_stat, tiny_model, torchrun, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 LABELS = {
     "bucketed": "adapter gather: bucketed (one all-gather, default)",
     "layered": "adapter gather: layered (unshard each FSDP unit)",
@@ -32,17 +30,6 @@ BASELINE = "bucketed"
 # A gathered adapter farther than this from the seeded values is wrong (bf16 rounding of
 # 0.02-scale values is ~1e-4).
 ADAPTER_TOL = 1e-2
-
-
-def torchrun(args: list[str], world: int, timeout: int, threads: int) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONWARNINGS": "ignore",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "bench.export_gather_worker", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def records_from(result: dict, model_label: str) -> list[Record]:
@@ -108,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = ["--model", str(path), "--dtype", dtype, "--rank", "16", "--device", "cpu", "--repeats", str(reps),
                        "--heavy-repeats", str(heavy), "--threads", str(args.threads), "--out", str(out)]
                 try:
-                    proc = torchrun(cmd, world, timeout=900, threads=args.threads)
+                    proc = torchrun("bench.export_gather_worker", cmd, world, timeout=900, threads=args.threads)
                 except subprocess.TimeoutExpired:
                     records.append(Record("export_gather", "all methods", f"{label}, {world} ranks", None, error="torchrun timed out (900 s)"))
                     continue

@@ -15,35 +15,25 @@ about the whole model, bucketed at about the adapter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Record, cache_dir, shaped_model, write_json
-from bench.export_gather import records_from, torchrun
+from bench.common import GPU_MODELS, Record, cache_dir, gpu_args, shaped_model, torchrun, write_json
+from bench.export_gather import records_from
 
-MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
 LORA_RANK = 64
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cache", default=None)
-    ap.add_argument("--models", default="qwen05,qwen7")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
+    args = gpu_args("gpu_export", __doc__.splitlines()[0], argv)
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        raise SystemExit(f"gpu_export needs {args.world} CUDA GPUs; found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     cache = cache_dir(args.cache)
     records: list[Record] = []
     for key in args.models.split(","):
-        shape = MODELS[key]
+        shape = GPU_MODELS[key]
         path = shaped_model(cache, shape, dtype="bfloat16", device="cuda")
         torch.cuda.empty_cache()
         reps, heavy = (2, 1) if args.quick else (10, 5)
@@ -51,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(tmp) / "result.json"
             cmd = ["--model", str(path), "--dtype", "bfloat16", "--rank", str(LORA_RANK), "--device", "cuda",
                    "--repeats", str(reps), "--heavy-repeats", str(heavy), "--warmup", "2", "--out", str(out)]
-            proc = torchrun(cmd, args.world, timeout=1800, threads=4)
+            proc = torchrun("bench.export_gather_worker", cmd, args.world, timeout=1800, threads=4)
             if proc.returncode != 0 or not out.is_file():
                 records.append(Record("gpu_export", "all methods", f"{shape}, {args.world} GPUs", None,
                                       error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"))

@@ -36,6 +36,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from bench.common import (  # noqa: E402
+    GPU_MODELS,
     PROJECTIONS,
     Record,
     Stat,
@@ -49,7 +50,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.sync_latency import merged_stream, probe_sequence  # noqa: E402
 
-MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b", "tiny": "tiny-qwen2"}
+MODELS = {**GPU_MODELS, "tiny": "tiny-qwen2"}
 RANK, ALPHA = 64, 128
 WORKLOADS = ((64, 128), (256, 128))  # prompts x tokens per prompt (one sample each, ignore_eos)
 FINAL_SEED = 999

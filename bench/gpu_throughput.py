@@ -12,50 +12,29 @@ bench/gpu_throughput_worker.py for the FLOP count. Megatron is not covered yet.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Record, Stat, cache_dir, shaped_model, write_json
-from bench.grpo_run import ROOT
+from bench.common import GPU_MODELS, Record, Stat, cache_dir, gpu_args, shaped_model, torchrun, write_json
 
-MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
 SHAPES = ((4, 1024), (1, 4096))
 
 
-def run_worker(args: list[str], world: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "bench.gpu_throughput_worker", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cache", default=None)
-    ap.add_argument("--models", default="qwen05,qwen7")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        raise SystemExit(f"gpu_throughput needs {args.world} CUDA GPUs; found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    args = gpu_args("gpu_throughput", __doc__.splitlines()[0], argv)
     cache = cache_dir(args.cache)
     records: list[Record] = []
     for key in args.models.split(","):
-        shape = MODELS[key]
+        shape = GPU_MODELS[key]
         path = shaped_model(cache, shape, dtype="bfloat16", device="cuda")
         for batch, seq in SHAPES[:1] if args.quick else SHAPES:
             config = f"{shape} shape, bf16, LoRA r=64 all linear, grad ckpt, {args.world} GPUs, {batch}x{seq} tokens/GPU/step"
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "r.json"
-                proc = run_worker(["--model", str(path), "--batch", str(batch), "--seq", str(seq),
-                                   "--repeats", "2" if args.quick else "6", "--out", str(out)], args.world)
+                proc = torchrun("bench.gpu_throughput_worker", ["--model", str(path), "--batch", str(batch), "--seq", str(seq),
+                                "--repeats", "2" if args.quick else "6", "--out", str(out)], args.world, timeout=1800)
                 if proc.returncode != 0 or not out.is_file():
                     records.append(Record("gpu_throughput", "FSDP2 update", config, None,
                                           error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
 
 
 def run_grpo(run_dir: Path, cache: Path, overrides: list[str], timeout: int = 1200, threads: int | None = None) -> list[dict]:

@@ -28,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import Record, Stat, cache_dir, tiny_model, write_json
-from bench.grpo_run import ROOT, run_grpo
+from bench.common import ROOT, Record, Stat, cache_dir, tiny_model, write_json
+from bench.grpo_run import run_grpo
 
 PROMPTS, N, MAX_TOKENS = 4, 4, 32
 WARMUP_STEPS = 2
@@ -40,6 +40,12 @@ TRL = "TRL GRPOTrainer (merged full-weight sync)"
 def ratio_of_medians(num: Stat, den: Stat) -> Stat:
     """Two separate runs: no pairing, one ratio of medians."""
     return Stat.of([num.median / den.median], unit="x")
+
+
+def versus(what: str, config: str, stat: Stat, baseline: str, base: Stat | None, extra: dict) -> Record:
+    """A row with its ratio to `baseline` (measured in the same run), when that one exists."""
+    return Record("peer_trl", what, config, stat, baseline=baseline if base else None,
+                  ratio=ratio_of_medians(stat, base) if base else None, extra=extra)
 
 
 def run_ours(cache: Path, steps: int, tmp: Path, threads: int | None) -> list[dict]:
@@ -110,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                                   if all(k in r for r in rows)}}
             base_step = ours.get(matched) if label != matched else None
             base_sync = ours.get(matched + " sync") if label != matched else None
-            records.append(Record("peer_trl", f"{label}: seconds per step", config, step,
-                                  baseline=f"{matched}: seconds per step" if base_step else None,
-                                  ratio=ratio_of_medians(step, base_step) if base_step else None, extra=extra))
-            records.append(Record("peer_trl", f"{label}: seconds per sync", config, sync,
-                                  baseline=f"{matched}: seconds per sync" if base_sync else None,
-                                  ratio=ratio_of_medians(sync, base_sync) if base_sync else None,
-                                  extra={"sync_bytes": rows[-1]["sync/bytes"]}))
+            records.append(versus(f"{label}: seconds per step", config, step, f"{matched}: seconds per step", base_step, extra))
+            records.append(versus(f"{label}: seconds per sync", config, sync, f"{matched}: seconds per sync", base_sync,
+                                  {"sync_bytes": rows[-1]["sync/bytes"]}))
         ours_step, ours_sync = ours.get(matched), ours.get(matched + " sync")
         if importlib.util.find_spec("trl") is None:
             records.append(Record("peer_trl", TRL, config, None, error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)"))
@@ -133,13 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                          "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
                          "torch_threads": result["torch_threads"]}
                 trl_label = f"{TRL}, {result['torch_threads']} thread"
-                records.append(Record("peer_trl", f"{trl_label}: seconds per step ({mode})", config, trl_step,
-                                      baseline=f"{matched}: seconds per step" if ours_step else None,
-                                      ratio=ratio_of_medians(trl_step, ours_step) if ours_step else None, extra=extra))
-                records.append(Record("peer_trl", f"{trl_label}: seconds per sync ({mode})", config, trl_sync,
-                                      baseline=f"{matched}: seconds per sync" if ours_sync else None,
-                                      ratio=ratio_of_medians(trl_sync, ours_sync) if ours_sync else None,
-                                      extra={"sync_as_is_error": failure}))
+                records.append(versus(f"{trl_label}: seconds per step ({mode})", config, trl_step,
+                                      f"{matched}: seconds per step", ours_step, extra))
+                records.append(versus(f"{trl_label}: seconds per sync ({mode})", config, trl_sync,
+                                      f"{matched}: seconds per sync", ours_sync, {"sync_as_is_error": failure}))
             except Exception as exc:  # noqa: BLE001 - recorded as the result
                 records.append(Record("peer_trl", TRL, config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
     write_json(Path(args.out), [r.as_dict() for r in records])

@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 
 from bench import report
-from bench.common import Record, cache_dir, environment, tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, Record, cache_dir, environment, tiny_model
 
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "cpu": [
