@@ -23,8 +23,10 @@ real arithmetic reward."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -34,31 +36,28 @@ os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
 import torch  # noqa: E402
 import torch.distributed as dist
 
-QWEN2_5_0_5B = dict(
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-)
+# Random weights with Qwen2.5-0.5B's real shape come from the benchmarks' model builder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+SHAPE = "qwen2.5-0.5b"
 
 
-def build_model(kind: str, root: Path) -> Path:
+def model_dir(kind: str, cache: Path) -> tuple[Path, str]:
+    """(the model folder, the file whose presence says it is complete)."""
+    from bench.common import SHAPED_MODEL_DONE, shaped_model_path
+    from lorarl.models.tiny import MARKER, default_tiny_model_path
+
+    if kind == "tiny":  # in $LORARL_CACHE, as the recipe's default
+        return default_tiny_model_path(), MARKER
+    return shaped_model_path(cache, SHAPE, dtype="bfloat16"), SHAPED_MODEL_DONE
+
+
+def build_model(kind: str, cache: Path, device: str) -> Path:
+    from bench.common import shaped_model
     from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
 
-    tiny = ensure_tiny_model(default_tiny_model_path())  # in $LORARL_CACHE, as the recipe's default
     if kind == "tiny":
-        return tiny
-    path = root / "qwen2_5_0_5b_random"
-    if not (path / "config.json").exists():
-        from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-        tok = AutoTokenizer.from_pretrained(tiny)
-        cfg = Qwen2Config(**QWEN2_5_0_5B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-        tmp = path.with_name(path.name + ".tmp")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, path)
-    return path
+        return ensure_tiny_model(default_tiny_model_path())
+    return shaped_model(cache, SHAPE, dtype="bfloat16", device=device)
 
 
 def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int, merge: bool):
@@ -95,7 +94,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="prompts per rank per step")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cache", default="/tmp/lorarl_gpu", help="where the random 0.5B-shaped model is written")
+    ap.add_argument("--cache", default=None, help="model cache (default $LORARL_CACHE or ~/.cache/lorarl)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
     ap.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
@@ -103,9 +102,6 @@ def main() -> None:
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    import faulthandler
-    import sys
-
     # A hang must leave a trace: every thread's stack after 240 s, then exit.
     faulthandler.dump_traceback_later(int(os.environ.get("LORARL_GPU_HANG_S", "240")), exit=True, file=sys.stderr)
 
@@ -120,12 +116,14 @@ def main() -> None:
     from lorarl.rewards import get_reward_fn
     from lorarl.worker import Worker
 
-    root = Path(args.cache)
-    model_path = None
-    while model_path is None:  # no process group yet: wait for rank 0's files
-        try:
-            model_path = build_model(args.model, root) if rank == 0 else _wait(args.model, root)
-        except FileNotFoundError:
+    from bench.common import cache_dir
+
+    cache = cache_dir(args.cache)
+    if rank == 0:
+        model_path = build_model(args.model, cache, args.device)
+    else:  # no process group yet: wait for rank 0's files
+        model_path, done = model_dir(args.model, cache)
+        while not (model_path / done).is_file():
             time.sleep(1)
     run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp, args.merge)
     cuda = args.device == "cuda"
@@ -344,16 +342,6 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
 
 def run_name(backend: str, model: str, world: int, merge: bool, cuda: bool = True) -> str:
     return f"grpo_{backend}_{model}{'_merged' if merge else ''}_{world}{'gpu' if cuda else 'cpu'}"
-
-
-def _wait(kind: str, root: Path) -> Path:
-    from lorarl.models.tiny import default_tiny_model_path
-
-    path = default_tiny_model_path() if kind == "tiny" else root / "qwen2_5_0_5b_random"
-    marker = path / "config.json"
-    if not marker.exists() or (kind == "tiny" and not any(path.glob("lorarl*"))):
-        raise FileNotFoundError(path)
-    return path
 
 
 if __name__ == "__main__":
