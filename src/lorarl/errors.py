@@ -23,3 +23,10 @@ class SyncError(LorarlError):
 
 class TrainingError(LorarlError):
     """Training diverged (NaN/Inf) or a worker failed."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty):
+    what a one-line error quotes from a library's multi-line one."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

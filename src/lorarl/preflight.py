@@ -16,15 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import VLLM_LORA_UNSUPPORTED, RunConfig, cache_dir
-from lorarl.errors import ModelError
+from lorarl.errors import ModelError, first_line
 
 # A hub id is "name" or "org/name"; anything else that does not exist is a mistyped local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def load_hf_config(path: str, trust_remote_code: bool):
@@ -48,7 +43,7 @@ def load_hf_config(path: str, trust_remote_code: bool):
                 "unless model.trust_remote_code=true; read that code first, or use a model transformers supports natively"
             ) from None
         raise ModelError(
-            f"model.path={path!r} could not be read as a HF model config ({_first_line(err)}); "
+            f"model.path={path!r} could not be read as a HF model config ({first_line(err)}); "
             "check the hub id and the network, or point it at a local model folder"
         ) from None
 
@@ -221,7 +216,7 @@ def load_tokenizer(run: RunConfig):
         return AutoTokenizer.from_pretrained(run.model.path, trust_remote_code=run.model.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelError(
-            f"model.path={run.model.path!r}: its tokenizer could not be loaded ({_first_line(err)}); "
+            f"model.path={run.model.path!r}: its tokenizer could not be loaded ({first_line(err)}); "
             "the folder needs tokenizer.json/tokenizer_config.json beside the weights"
         ) from None
 

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from lorarl.config import RunConfig
-from lorarl.errors import LorarlError, TrainingError
+from lorarl.errors import LorarlError, TrainingError, first_line
 from lorarl.worker import Worker, worker_env
 
 
@@ -113,7 +113,7 @@ class WorkerGroup:
                 for ref in pending:
                     ray.cancel(ref, force=True)
                 raise TrainingError(
-                    f"a worker process died ({str(err).strip().splitlines()[0]}): it was killed or crashed outside Python, "
+                    f"a worker process died ({first_line(err)}): it was killed or crashed outside Python, "
                     "e.g. out of memory; its log is under /tmp/ray/session_latest/logs"
                 ) from err
         return [results[r] for r in refs]

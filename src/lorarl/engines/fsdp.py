@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from lorarl import algorithms
 from lorarl.batch import TrainBatch
 from lorarl.config import RunConfig
-from lorarl.errors import ModelError, TrainingError
+from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
@@ -51,8 +51,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
             use_safetensors=True,
         )
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first}") from err
+        raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -69,7 +68,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
         peft_model = get_peft_model(model, lora_cfg)
     except ValueError as err:
         raise ModelError(
-            f"model.lora.target_modules={list(targets)} matched no module of {m.path}: {str(err).splitlines()[0]}"
+            f"model.lora.target_modules={list(targets)} matched no module of {m.path}: {first_line(err)}"
         ) from err
     for p in peft_model.parameters():
         if p.requires_grad:
