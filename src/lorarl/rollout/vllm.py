@@ -96,6 +96,7 @@ class VLLMRollout:
         self.base_loaded = load_format != "dummy"
         self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
         self._adapter_dir: Path | None = None
+        self._param_names: frozenset[str] | None = None  # read from the live engine on first need
         self._has_adapter = False
         self._asleep = False
 
@@ -292,7 +293,7 @@ class VLLMRollout:
     def _live_param_names(self) -> frozenset[str]:
         """Parameter names that need `.base_layer` spelled out (empty where the engine's
         LoRA wrappers load plain HF names themselves), read once from the live model."""
-        if getattr(self, "_param_names", None) is None:
+        if self._param_names is None:
             self._param_names = frozenset(self._engine().collective_rpc(_wrapped_param_names)[0])
         return self._param_names
 
@@ -320,7 +321,10 @@ class VLLMRollout:
             stats.num_tensors += 1
             stats.bytes += tensor.numel() * tensor.element_size()
         if self.adapter_transport == "tmpfs":
-            self._write_adapter_dir(owned, payload.adapter_config)
+            from lorarl.checkpoint import save_peft_adapter
+
+            assert self._adapter_dir is not None
+            save_peft_adapter(self._adapter_dir, owned, payload.adapter_config)
             self._adapter = None
         else:
             self._adapter = (owned, dict(payload.adapter_config))
@@ -328,13 +332,6 @@ class VLLMRollout:
         stats.load_s = self._load_adapter()
         self._has_adapter = True
         return stats
-
-    def _write_adapter_dir(self, tensors: dict[str, Tensor], config: dict) -> None:
-        from safetensors.torch import save_file
-
-        assert self._adapter_dir is not None
-        save_file(tensors, str(self._adapter_dir / "adapter_model.safetensors"))
-        (self._adapter_dir / "adapter_config.json").write_text(json.dumps(config))
 
     def _load_adapter(self) -> float:
         """Put the current adapter into the engine under ADAPTER_ID, replacing any old one."""
@@ -470,13 +467,18 @@ def resolve_base_name(name: str, live: frozenset[str]) -> str:
     return name
 
 
+def _vllm_worker(worker):
+    """collective_rpc hands functions vLLM's worker, sometimes inside a wrapper; the worker."""
+    return getattr(worker, "worker", worker)
+
+
 def _wrapped_param_names(worker) -> list[str]:
     """Live names under `.base_layer` whose LoRA wrapper cannot take the plain HF name.
 
     vLLM 0.26 (GPU) wrappers have no loader of their own, so `q_proj.weight` must arrive as
     `q_proj.base_layer.weight`; vLLM 0.32's wrappers define `load_weights` and forward to the
     wrapped layer, so plain names are right there and `.base_layer` ones fail."""
-    model = worker.model_runner.get_model()
+    model = _vllm_worker(worker).model_runner.get_model()
     out = []
     for module_name, module in model.named_modules():
         base = getattr(module, "_modules", {}).get("base_layer")
@@ -490,7 +492,7 @@ def _wrapped_param_names(worker) -> list[str]:
 
 def _forget_lora_mapping(worker) -> None:
     """Inside the vLLM worker: drop the LoRA manager's memory of the last batch mapping."""
-    manager = getattr(getattr(worker, "worker", worker).model_runner, "lora_manager", None)
+    manager = getattr(_vllm_worker(worker).model_runner, "lora_manager", None)
     adapters = getattr(manager, "_adapter_manager", None)
     if adapters is None or not hasattr(adapters, "_last_mapping"):
         raise SyncError("this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep")
@@ -502,7 +504,7 @@ def _finish_interrupted_reload(worker) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    worker = getattr(worker, "worker", worker)
+    worker = _vllm_worker(worker)
     runner = worker.model_runner
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
@@ -532,7 +534,7 @@ def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], 
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
-    manager = getattr(worker, "worker", worker).model_runner.lora_manager
+    manager = _vllm_worker(worker).model_runner.lora_manager
     adapters = manager._adapter_manager
     helper = PEFTHelper.from_dict(
         {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
