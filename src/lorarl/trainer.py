@@ -23,7 +23,7 @@ from lorarl import algorithms
 from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.errors import LorarlError
-from lorarl.rewards import gsm8k
+from lorarl.rewards import GSM8K_SOURCES, gsm8k
 from lorarl.tracking import Tracker, redact
 
 
@@ -261,9 +261,11 @@ class GRPOTrainer:
         return metrics
 
     def score(self, item, response_ids: list[int]) -> float:
+        return self.score_text(item, self.tokenizer.decode(response_ids, skip_special_tokens=True))
+
+    def score_text(self, item, text: str) -> float:
         from lorarl.rewards import get_reward_fn
 
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         fn = get_reward_fn(item.data_source, self.run.data.reward_fn)
         return float(fn(text, item.ground_truth, item.extra_info))
 
@@ -281,9 +283,9 @@ class GRPOTrainer:
         flexible: dict[str, list[list[float]]] = {}
         for shard, (responses, _) in zip(shards, gen):
             for item, samples in zip(shard, responses):
-                rewards.setdefault(item.data_source, []).append([self.score(item, s) for s in samples])
+                texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in samples]
+                rewards.setdefault(item.data_source, []).append([self.score_text(item, t) for t in texts])
                 if item.data_source in GSM8K_SOURCES:
-                    texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in samples]
                     flexible.setdefault(item.data_source, []).append(
                         [gsm8k.score(t, item.ground_truth, method="flexible") for t in texts]
                     )
@@ -306,9 +308,6 @@ class GRPOTrainer:
         if self.tracker is not None:
             self.tracker.finish()
             self.tracker = None
-
-
-GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 
 
 def accuracy(scores: list[list[float]], n: int, prefix: str) -> dict[str, float]:

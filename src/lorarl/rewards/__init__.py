@@ -23,18 +23,16 @@ def _arith(solution: str, ground_truth: str, extra_info: dict | None = None) -> 
     return arith.score(solution, ground_truth)
 
 
-REGISTRY: dict[str, RewardFn] = {
-    "openai/gsm8k": _gsm8k,
-    "gsm8k": _gsm8k,
-    "arith": _arith,
-}
+# The data_source names GSM8K rows carry (verl's parquet and ours).
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+
+REGISTRY: dict[str, RewardFn] = {**dict.fromkeys(GSM8K_SOURCES, _gsm8k), "arith": _arith}
 
 
 # Parsers of each source's reference answer, so a bad ground truth fails when the data is
 # loaded instead of at the first reward, minutes into a run.
 GROUND_TRUTH_PARSERS: dict[str, Callable[[str], Any]] = {
-    "openai/gsm8k": gsm8k.parse_ground_truth,
-    "gsm8k": gsm8k.parse_ground_truth,
+    **dict.fromkeys(GSM8K_SOURCES, gsm8k.parse_ground_truth),
     "arith": arith.parse_ground_truth,
 }
 
