@@ -22,10 +22,11 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     rows = []
     for metrics_file in sorted(Path(sweep_dir).glob("*/metrics.jsonl")):
         job = metrics_file.parent
-        steps = [r for r in read_metrics(job) if "reward/mean" in r]
+        metrics = read_metrics(job)
+        steps = [r for r in metrics if "reward/mean" in r]
         overrides_file = job / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.load(overrides_file) if overrides_file.exists() else []
-        val = [r["val/acc"] for r in read_metrics(job) if "val/acc" in r]
+        val = [r["val/acc"] for r in metrics if "val/acc" in r]
         tail = steps[-max(1, len(steps) // 5):] if steps else []
         rows.append(
             {
