@@ -19,7 +19,10 @@ Where merged wins: per step, adapter costs sync_a + T/rate_a and merged sync_m +
 T sampled tokens; with rate_m > rate_a and sync_m > sync_a merged is cheaper above
 T* = (sync_m - sync_a) / (1/rate_a - 1/rate_m) tokens per step (reported per workload).
 
-    python -m bench.gpu_rollout --out /tmp/gpu_rollout.json [--models qwen05,qwen7] [--quick]
+    python -m bench.gpu_rollout --out /tmp/gpu_rollout.json [--models qwen05,qwen7] [--quick] [--cuda-graphs]
+
+Eager by default (the rollout's default, rollout.enforce_eager=true); --cuda-graphs measures
+the same with captured graphs, where per-layer LoRA kernel launches cost less.
 
 `--device cpu --models tiny --quick` runs the same code on the CPU build with the tiny model:
 a smoke test of this script, not a result.
@@ -68,7 +71,8 @@ def generation_rates(llm, prompts, tokens: int, request, repeats: int) -> list[f
     return rates
 
 
-def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: tuple[str, ...], device: str = "cuda") -> list[Record]:
+def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: tuple[str, ...], device: str = "cuda",
+            cuda_graphs: bool = False) -> list[Record]:
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,8 +105,8 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
     probe, start = probe_sequence(tokenizer)
     rows = arith.make_rows(max(p for p, _ in workloads), seed=5, split="bench")
     all_prompts = [{"prompt_token_ids": prompt_ids(tokenizer, r["prompt"])} for r in rows]
-    cfg = f"{shape} shape, {str(dtype).removeprefix('torch.')}, LoRA r={RANK} all linear, 1 {'GPU' if on_gpu else 'CPU (smoke)'}, eager"
-    kw = dict(max_model_len=1024 if on_gpu else 256, seed=0, gpu_memory_utilization=0.45, enforce_eager=True)
+    cfg = f"{shape} shape, {str(dtype).removeprefix('torch.')}, LoRA r={RANK} all linear, 1 {'GPU' if on_gpu else 'CPU (smoke)'}, {'CUDA graphs' if cuda_graphs else 'eager'}"
+    kw = dict(max_model_len=1024 if on_gpu else 256, seed=0, gpu_memory_utilization=0.45, enforce_eager=not cuda_graphs)
     sync: dict[str, list[float]] = {}
     rates: dict[tuple[str, int], list[float]] = {}
     finals: dict[str, list[float]] = {}
@@ -188,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="qwen05,qwen7")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: smoke test only")
+    ap.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (rollout.enforce_eager=false)")
     args = ap.parse_args(argv)
     import torch
 
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.models.split(","):
         try:
             records += measure(key, cache, repeats=2 if args.quick else 8, gen_repeats=1 if args.quick else 3,
-                               transports=("tmpfs",) if args.quick else ("tmpfs", "memory"), device=args.device)
+                               transports=("tmpfs",) if args.quick else ("tmpfs", "memory"), device=args.device,
+                               cuda_graphs=args.cuda_graphs)
         except Exception as exc:  # noqa: BLE001 - one model failing must not lose the other's numbers
             records.append(Record("gpu_rollout", "all", MODELS.get(key, key), None, error=f"{type(exc).__name__}: {exc}"[:800]))
     write_json(Path(args.out), [r.as_dict() for r in records])
