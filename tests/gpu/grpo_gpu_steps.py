@@ -9,7 +9,7 @@ script itself is checked where no GPU is.)
 
 Each rank drives its own `Worker` (the same class the Ray trainer places on every device):
 generate -> reward -> GRPO advantages -> sleep vLLM -> old/ref log-probs + PPO update ->
-wake + sync + parity probe. Rank 0 writes DIR/grpo_<backend>_<model>[_merged]_<world>gpu.json
+wake + sync + parity probe. Rank 0 writes DIR/grpo_<backend>_<model>[_merged][_graphs]_<world>gpu.json
 with per-step timings, sync sizes, probe differences, adapter counts and peak memory, rollout
 tokens/s, and the sleep/wake regression: level-1 sleep keeps the base, level-2 sleep drops it
 and the next sync must resend it; both are checked tensor by tensor against the engine's state
@@ -60,7 +60,8 @@ def build_model(kind: str, cache: Path, device: str) -> Path:
     return shaped_model(cache, SHAPE, dtype="bfloat16", device=device)
 
 
-def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int, merge: bool):
+def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int, merge: bool,
+             cuda_graphs: bool = False):
     from lorarl.config import (
         ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, MegatronBackendConfig, ModelConfig,
         OptimConfig, RolloutConfig, RunConfig, TrainerConfig, validate,
@@ -76,7 +77,8 @@ def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device
         model=ModelConfig(path=str(model_path), dtype="float32" if tiny else "bfloat16",
                           enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32, merge=merge)),
         data=DataConfig(train_files=["unused"], train_batch_size=batch * dp, max_prompt_length=64, max_response_length=8 if tiny else 128),
-        rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny),
+        rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny and not merge,
+                              enforce_eager=not cuda_graphs),
         actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * dp,
                           ppo_micro_batch_size_per_gpu=batch * n, use_kl_loss=True),
         algorithm=AlgorithmConfig(),
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
     ap.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size")
     ap.add_argument("--merge", action="store_true", help="merged sync: vLLM without LoRA, W + BA pushed every step")
+    ap.add_argument("--cuda-graphs", action="store_true", help="rollout.enforce_eager=false: vLLM captures CUDA graphs")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -125,7 +128,7 @@ def main() -> None:
         model_path, done = model_dir(args.model, cache)
         while not (model_path / done).is_file():
             time.sleep(1)
-    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp, args.merge)
+    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp, args.merge, args.cuda_graphs)
     cuda = args.device == "cuda"
     tok = AutoTokenizer.from_pretrained(model_path)
     phase(f"model ready at {model_path}; setting up worker")
@@ -208,10 +211,10 @@ def main() -> None:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result = {"backend": args.backend, "tp": args.tp, "merge": args.merge, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
+        result = {"backend": args.backend, "tp": args.tp, "merge": args.merge, "cuda_graphs": args.cuda_graphs, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
                   "rollout_tokens_per_s": speed, "rollout_speed_shape": [len(prompts), new_tokens], "sleep_wake": regression,
                   "device": torch.cuda.get_device_name() if cuda else "cpu"}
-        (out / f"{run_name(args.backend, args.model, world, args.merge, cuda)}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{run_name(args.backend, args.model, world, args.merge, cuda, args.cuda_graphs)}.json").write_text(json.dumps(result, indent=1))
         print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
     phase("done")
 
@@ -340,8 +343,8 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     }
 
 
-def run_name(backend: str, model: str, world: int, merge: bool, cuda: bool = True) -> str:
-    return f"grpo_{backend}_{model}{'_merged' if merge else ''}_{world}{'gpu' if cuda else 'cpu'}"
+def run_name(backend: str, model: str, world: int, merge: bool, cuda: bool = True, cuda_graphs: bool = False) -> str:
+    return f"grpo_{backend}_{model}{'_merged' if merge else ''}{'_graphs' if cuda_graphs else ''}_{world}{'gpu' if cuda else 'cpu'}"
 
 
 if __name__ == "__main__":

@@ -17,10 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.grpo_gpu_steps import run_name
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 # bf16 policy vs bf16 vLLM on the probe sequence (max over its tokens); fp32 tiny is much tighter.
 PROBE_TOL = {"tiny": 0.1, "qwen2_5_0_5b": 0.25}
+# The same engine reading the same probe twice. Exact (0.0 measured) unless vLLM's LoRA shrink
+# kernel splits the hidden dimension: it then sums the splits with atomic adds, whose order
+# varies (vLLM 0.26 triton_ops: split_k=64 below 128 tokens, block_k=256, so a 896-wide
+# model splits in 4 and the 256-wide tiny one does not). Measured 0.0-0.027 for the 0.5B
+# shape with every engine tensor bit-identical; merged engines (no LoRA kernels) read 0.0.
+REPEAT_TOL_EXACT, REPEAT_TOL_SPLIT_K = 1e-3, 0.05
 
 
 def gpus() -> int:
@@ -29,18 +37,19 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.parametrize(
-    "backend,model,world,tp,merge",
-    [
-        ("fsdp", "tiny", 1, 1, False),
-        ("fsdp", "qwen2_5_0_5b", 1, 1, False),
-        ("fsdp", "qwen2_5_0_5b", 2, 1, False),
-        ("megatron", "tiny", 1, 1, False),
-        ("megatron", "qwen2_5_0_5b", 2, 2, False),
-        ("fsdp", "qwen2_5_0_5b", 1, 1, True),
-        ("megatron", "qwen2_5_0_5b", 2, 2, True),
-    ],
-)
+# backend, model, GPUs, Megatron TP, merged sync
+GPU_CASES = [
+    ("fsdp", "tiny", 1, 1, False),
+    ("fsdp", "qwen2_5_0_5b", 1, 1, False),
+    ("fsdp", "qwen2_5_0_5b", 2, 1, False),
+    ("megatron", "tiny", 1, 1, False),
+    ("megatron", "qwen2_5_0_5b", 2, 2, False),
+    ("fsdp", "qwen2_5_0_5b", 1, 1, True),
+    ("megatron", "qwen2_5_0_5b", 2, 2, True),
+]
+
+
+@pytest.mark.parametrize("backend,model,world,tp,merge", GPU_CASES)
 def test_grpo_steps_on_gpu(backend, model, world, tp, merge, tmp_path):
     if gpus() < world:
         pytest.skip(f"needs {world} GPUs")
@@ -48,14 +57,18 @@ def test_grpo_steps_on_gpu(backend, model, world, tp, merge, tmp_path):
         pytest.skip("megatron-core is not installed")
     out = Path(os.environ.get("LORARL_GPU_LOG_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
-    name = f"grpo_{backend}_{model}{'_merged' if merge else ''}_{world}gpu"
+    name = run_name(backend, model, world, merge)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests/gpu/grpo_gpu_steps.py"), "--backend", backend, "--tp", str(tp),
            "--model", model, "--steps", "4", "--out", str(out)] + (["--merge"] if merge else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    result = json.loads((out / f"{name}.json").read_text())
+    check_result(json.loads((out / f"{name}.json").read_text()), model, merge)
+
+
+def check_result(result: dict, model: str, merge: bool) -> None:
+    """What a GPU run must show (also applied in CI to the committed run's JSON)."""
     steps = result["steps"]
     kind, adapters = ("base", 0) if merge else ("adapter", 1)
     assert all(s["sync/kind"] == kind and s["sync/num_adapters"] == adapters for s in steps)
@@ -65,13 +78,14 @@ def test_grpo_steps_on_gpu(backend, model, world, tp, merge, tmp_path):
     sw = result["sleep_wake"]
     # Same weights back: every engine tensor (parameters, buffers, LoRA stacks) as before sleeping.
     assert sw["level1_tensor_changes"]["changed"] == 0, sw["level1_tensor_changes"]
-    assert sw["level1_logprob_diff"] <= 1e-3, sw
+    repeat_tol = REPEAT_TOL_EXACT if merge or model == "tiny" else REPEAT_TOL_SPLIT_K
+    assert sw["level1_logprob_diff"] <= repeat_tol, sw
     assert sw["level1_probe_vs_trainer"] <= PROBE_TOL[model], sw
     assert sw["adapters_listed_after_level2_sleep"] == adapters  # what vLLM claims; the rollout must not trust it
     assert sw["base_loaded_after_level2_sleep"] is False
     assert sw["sync_after_level2"] == ("base" if merge else "base+adapter")
     assert sw["level2_tensor_changes"]["changed"] == 0, sw["level2_tensor_changes"]
     assert sw["sync_after_level2_probe_vs_trainer"] <= PROBE_TOL[model], sw
-    assert sw["level2_logprob_diff"] <= 1e-3, sw
+    assert sw["level2_logprob_diff"] <= repeat_tol, sw
     if model == "tiny":  # a trained model's greedy choice has margins; a random one's may not
         assert sw["level1_greedy_unchanged"] and sw["level2_greedy_unchanged"], sw

@@ -1,0 +1,29 @@
+"""The committed GPU run satisfies the GPU test's own checks.
+
+tests/gpu/test_grpo_gpu.py runs on the accelerator machine; its checks are applied here to
+the JSON that run left under tests/gpu_logs/, so a check tightened past what the GPUs
+showed, or a log that no longer shows what the notes quote, fails in CI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.test_grpo_gpu import GPU_CASES, check_result
+
+RUN = Path(__file__).parent / "gpu_logs" / "grpo_loop" / "run3_2026-11-30T1008"
+CASES = sorted(RUN.glob("grpo_*.json"))
+
+
+def test_the_committed_run_covers_every_gpu_case():
+    seen = {(r["backend"], r["model"], r["world"], r["merge"]) for r in map(json.loads, map(Path.read_text, CASES))}
+    assert seen == {(backend, model, world, merge) for backend, model, world, _, merge in GPU_CASES}
+
+
+@pytest.mark.parametrize("path", CASES, ids=lambda p: p.stem)
+def test_committed_gpu_run_passes_the_gpu_checks(path):
+    result = json.loads(path.read_text())
+    check_result(result, result["model"], result["merge"])
