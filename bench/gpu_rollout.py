@@ -1,9 +1,5 @@
 """GPU rollout, adapter vs merged: vLLM sampling tokens/s and the sync cost of each.
 
-First H200 run (bench/results/gpu_2026-11-30/gpu_rollout_failed_*.json) failed: the
-memory transport used a vLLM 0.32-only name (fixed), and a leftover engine reference kept
-the 7B run's second engine from starting (fixed). Not rerun yet.
-
 For the Qwen2.5-0.5B and 7B shapes (bf16, LoRA rank 64 alpha 128 on all linear projections,
 eager), one engine at a time on one GPU:
   adapter  vLLM with LoRA: `rollout.apply(WeightPayload.adapter(...))` (tmpfs and memory

@@ -29,6 +29,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.3g}x"
     if unit == "GiB":
         return f"{value:.3g} GiB"
+    if abs(value) >= 1e4:
+        return f"{value:,.0f} {unit}"
     return f"{value:.4g} {unit}"
 
 
@@ -53,6 +55,12 @@ def notes(record: dict) -> str:
         parts.append("peak +" + "/".join(f"{g:.2f}" for g in extra["peak_extra_gib_per_rank"]) + " GiB per rank")
     if extra.get("mfu") is not None:
         parts.append(f"MFU {extra['mfu']:.1%}")
+    if "probe_logprob_diff_adapter_vs_merged" in extra:
+        parts.append(f"probe |adapter - merged| {extra['probe_logprob_diff_adapter_vs_merged']:.2g}")
+    if "merged_wins_above_tokens_per_step" in extra:
+        t = extra["merged_wins_above_tokens_per_step"]
+        parts.append("merged never cheaper" if t is None else
+                     "merged cheaper at any step size (faster sync and sampling)" if t == 0 else f"merged cheaper above {t:.0f} tokens/step")
     if extra.get("sync_as_is_error"):
         parts.append(f"TRL sync as shipped failed: `{extra['sync_as_is_error'][:80]}`")
     if record.get("error"):
