@@ -35,6 +35,7 @@ def _on_signal(signum: int, frame) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo")
 def main(cfg: DictConfig) -> float | None:
+    from lorarl.tracking import console
     from lorarl.trainer import run
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -43,7 +44,7 @@ def main(cfg: DictConfig) -> float | None:
         return run(cfg)
     except LorarlError as err:
         # One actionable line, no traceback: these are the user's to fix.
-        print(f"error: {err}", file=sys.stderr)
+        console(lambda line: print(line, file=sys.stderr))(f"error: {err}")
         sys.exit(2)
     except KeyboardInterrupt as err:
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT

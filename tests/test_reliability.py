@@ -377,6 +377,8 @@ def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(cache
     assert not (run / "final_adapter").exists()
     logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(logged) == failed - 1  # the failed step logged nothing
+    log = (run / "grpo.log").read_text().splitlines()  # the run's log keeps what the console showed
+    assert any(f"- step {failed - 1}: reward/mean=" in x for x in log) and log[-1].endswith(line), log[-3:]
 
     assert_safe_formats(ckpts)
     for secret in SECRETS.values():

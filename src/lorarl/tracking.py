@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SECRET_KEYS = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
 CONSOLE_KEYS = (
@@ -22,6 +23,18 @@ CONSOLE_KEYS = (
     "sync/logprob_diff_max",
     "timing/step",
 )
+
+
+def console(show: Callable[[str], None]) -> Callable[[str], None]:
+    """A line for the user: `show` puts it on the screen (tqdm.write keeps a progress bar whole)
+    and the run's log file keeps it (conf/hydra/default.yaml gives this logger the file only)."""
+    log = logging.getLogger("lorarl.console")
+
+    def say(line: str) -> None:
+        show(line)
+        log.info(line)
+
+    return say
 
 
 def redact(obj: Any) -> Any:

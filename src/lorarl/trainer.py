@@ -24,7 +24,7 @@ from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, writ
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.errors import LorarlError
 from lorarl.rewards import GSM8K_SOURCES, gsm8k
-from lorarl.tracking import Tracker, redact
+from lorarl.tracking import Tracker, console, redact
 
 
 def resolve_device(requested: str) -> str:
@@ -122,17 +122,18 @@ class GRPOTrainer:
         from lorarl.worker_group import WorkerGroup
 
         t = self.run.trainer
-        self.tracker = Tracker(t.logger, self.out_dir, t.project_name, t.experiment_name, self.run.to_dict(), write=tqdm.write)
+        say = console(tqdm.write)
+        self.tracker = Tracker(t.logger, self.out_dir, t.project_name, t.experiment_name, self.run.to_dict(), write=say)
         if self.dropped_prompts:
-            tqdm.write(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
+            say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
         self.group = WorkerGroup(self.run, self.device)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
-            tqdm.write(f"resumed from {self.resume_from} at step {self.step}")
+            say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.group.call("sync")[0]
         self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
-        tqdm.write(
+        say(
             f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
             f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
         )
@@ -157,13 +158,13 @@ class GRPOTrainer:
         bar.close()
         final = self.out_dir / "final_adapter"
         self.group.call("export_adapter", str(final))
-        tqdm.write(f"final adapter: {final}")
+        say(f"final adapter: {final}")
         if "jsonl" in t.logger:
             from lorarl.plot import plot
 
             self.tracker.finish()
             plots = plot(self.out_dir)
-            tqdm.write(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
+            say(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
         return last_reward
 
     def _stopped_at(self, err: LorarlError) -> str:
