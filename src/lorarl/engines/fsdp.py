@@ -301,11 +301,15 @@ class FSDPEngine:
                         a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
                         tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
                     hf_name = _hf_name(prefix + name)
-                    yield hf_name, tensor.to("cpu", copy=True)
+                    # A copy on the trainer's device: the unsharded storage is freed at
+                    # reshard while vLLM may still hold the tensor, and the colocated engine
+                    # loads from the same device. Copying to the host made the 7B base
+                    # stream take 10.8 s on 2 x H200 (bench/results/gpu_2026-11-30).
+                    yield hf_name, tensor.clone()
                     if hf_name == "model.embed_tokens.weight" and tied:
                         # HF state dicts list a tied head under its own name too; vLLM's
                         # in-place reload only refreshes lm_head when it is sent.
-                        yield "lm_head.weight", tensor.to("cpu", copy=True)
+                        yield "lm_head.weight", tensor.clone()
                 unit.reshard()
 
     # ---- checkpoint ------------------------------------------------------------------------
