@@ -106,6 +106,11 @@ def ratio_stat(num: Sequence[float], den: Sequence[float]) -> Stat:
     return Stat.of([a / b for a, b in zip(num, den)], unit="x")
 
 
+def ratio_of_medians(num: Stat, den: Stat) -> Stat:
+    """Samples not taken in pairs (separate runs or engines): one ratio of medians."""
+    return Stat.of([num.median / den.median], unit="x")
+
+
 def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Where benchmark models live: --cache, else $LORARL_CACHE, else ~/.cache/lorarl."""
     if explicit:

@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402
     adapter_config_dict,
     cache_dir,
     perturb_lora,
+    ratio_of_medians,
     shaped_model,
     timed,
     tiny_model,
@@ -148,17 +149,19 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
     first = f"adapter_{transports[0]}"
     diff = max(abs(a - b) for a, b in zip(finals[first], finals["merged"]))
     records = []
-    for name, samples in sync.items():
+    sync_stats = {name: Stat.of(samples) for name, samples in sync.items()}
+    for name, stat in sync_stats.items():
         records.append(Record(
-            "gpu_rollout", f"sync: {name}", cfg, Stat.of(samples),
+            "gpu_rollout", f"sync: {name}", cfg, stat,
             baseline=None if name == first else f"sync: {first}",
-            ratio=None if name == first else Stat.of([Stat.of(samples).median / Stat.of(sync[first]).median], unit="x"),
+            ratio=None if name == first else ratio_of_medians(stat, sync_stats[first]),
             extra={**info[name], "probe_logprob_diff_adapter_vs_merged": diff},
             error=f"adapter and merged engines disagree on the probe by {diff:.3g} (> 0.25)" if diff > 0.25 else None,
         ))
-    sync_a, sync_m = Stat.of(sync[first]).median, Stat.of(sync["merged"]).median
+    sync_a, sync_m = sync_stats[first].median, sync_stats["merged"].median
     for prompts, tokens in workloads:
-        rate_m = Stat.of(rates[("merged", prompts)]).median
+        merged_rate = Stat.of(rates[("merged", prompts)], unit="tok/s")
+        rate_m = merged_rate.median
         for kind in ("merged", "adapter", "lora_no_adapter"):
             stat = Stat.of(rates[(kind, prompts)], unit="tok/s")
             extra = {}
@@ -173,7 +176,7 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
             records.append(Record(
                 "gpu_rollout", f"generate: {kind}", f"{cfg}; {prompts} prompts x {tokens} tokens", stat,
                 baseline=None if kind == "merged" else "generate: merged",
-                ratio=None if kind == "merged" else Stat.of([stat.median / rate_m], unit="x"),
+                ratio=None if kind == "merged" else ratio_of_medians(stat, merged_rate),
                 extra=extra,
             ))
     del model, base

@@ -28,18 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import ROOT, Record, Stat, cache_dir, tiny_model, write_json
+from bench.common import ROOT, Record, Stat, cache_dir, ratio_of_medians, tiny_model, write_json
 from bench.grpo_run import run_grpo
 
 PROMPTS, N, MAX_TOKENS = 4, 4, 32
 WARMUP_STEPS = 2
 OURS = "lorarl (adapter sync)"
 TRL = "TRL GRPOTrainer (merged full-weight sync)"
-
-
-def ratio_of_medians(num: Stat, den: Stat) -> Stat:
-    """Two separate runs: no pairing, one ratio of medians."""
-    return Stat.of([num.median / den.median], unit="x")
 
 
 def versus(what: str, config: str, stat: Stat, baseline: str, base: Stat | None, extra: dict) -> Record:

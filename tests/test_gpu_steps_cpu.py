@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.grpo_gpu_steps import run_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +29,7 @@ def test_gpu_steps_script_runs_on_cpu(tiny_model_path, tmp_path, ranks, merge): 
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "LORARL_GPU_HANG_S": "500"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads((tmp_path / f"grpo_fsdp_tiny{'_merged' if merge else ''}_{ranks}cpu.json").read_text())
+    result = json.loads((tmp_path / f"{run_name('fsdp', 'tiny', ranks, merge, cuda=False)}.json").read_text())
     kind = "base" if merge else "adapter"
     assert [s["sync/kind"] for s in result["steps"]] == [kind] * 3
     assert all(s["sync/num_adapters"] == (0 if merge else 1) for s in result["steps"])
