@@ -295,20 +295,22 @@ class FSDPEngine:
                 for name, p in own.items():
                     if "lora_" in name:
                         continue
-                    tensor = p.detach()
                     if merge and name.endswith(".base_layer.weight"):
                         stem = name[: -len(".base_layer.weight")]
                         a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
-                        tensor = (tensor.float() + scale * (b.float() @ a.float())).to(tensor.dtype)
+                        tensor = (p.float() + scale * (b.float() @ a.float())).to(p.dtype)
+                    else:
+                        # A copy on the trainer's device: the unsharded storage is freed at
+                        # reshard while vLLM may still hold the tensor, and the colocated engine
+                        # loads from the same device. Copying to the host made the 7B base
+                        # stream take 10.8 s on 2 x H200 (bench/results/gpu_2026-11-30).
+                        tensor = p.detach().clone()
                     hf_name = _hf_name(prefix + name)
-                    # A copy on the trainer's device: the unsharded storage is freed at
-                    # reshard while vLLM may still hold the tensor, and the colocated engine
-                    # loads from the same device. Copying to the host made the 7B base
-                    # stream take 10.8 s on 2 x H200 (bench/results/gpu_2026-11-30).
-                    yield hf_name, tensor.clone()
+                    yield hf_name, tensor
                     if hf_name == "model.embed_tokens.weight" and tied:
                         # HF state dicts list a tied head under its own name too; vLLM's
-                        # in-place reload only refreshes lm_head when it is sent.
+                        # in-place reload only refreshes lm_head when it is sent. Its own copy:
+                        # consumers that save the stream refuse tensors sharing memory.
                         yield "lm_head.weight", tensor.clone()
                 unit.reshard()
 
