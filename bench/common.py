@@ -26,14 +26,26 @@ GPU_MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
 # 128 at 7B and 64 at 0.5B; 64 is also what vLLM's CPU attention needs.
 SHAPES = {
     "qwen2.5-0.5b": dict(
-        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-        num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=True,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
     ),
     "qwen2.5-7b": dict(
-        hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-        num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
     ),
 }
 QWEN05_SHAPE = SHAPES["qwen2.5-0.5b"]
@@ -141,7 +153,9 @@ def shaped_model_path(cache: Path, shape: str, layers: int | None = None, dtype:
 SHAPED_MODEL_DONE = "bench_model.json"
 
 
-def shaped_model(cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cpu") -> Path:
+def shaped_model(
+    cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cpu"
+) -> Path:
     """A random model with a real Qwen2.5 shape (optionally fewer decoder layers), saved as
     safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
     Built once per (shape, layers, dtype) under <cache>/bench/; `device` only speeds up init."""
@@ -206,7 +220,9 @@ def model_params(path: Path) -> int:
 def peft_lora_config(rank: int = LORA_RANK, alpha: int = LORA_ALPHA):
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
 
 
 def adapter_config_dict(peft_model) -> dict:
@@ -262,7 +278,9 @@ def environment() -> dict:
     return out
 
 
-def torchrun(module: str, args: list[str], world: int, timeout: int, threads: int | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    module: str, args: list[str], world: int, timeout: int, threads: int | None = None
+) -> subprocess.CompletedProcess:
     """`python -m <module> args` on `world` ranks of this host (torchrun --standalone)."""
     env = {
         **os.environ,
@@ -271,7 +289,16 @@ def torchrun(module: str, args: list[str], world: int, timeout: int, threads: in
     }
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", module, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        "-m",
+        module,
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -35,7 +35,9 @@ ADAPTER_TOL = 1e-2
 def records_from(result: dict, model_label: str) -> list[Record]:
     world = result["world"]
     comm = "nccl" if result["device"] == "cuda" else f"gloo, {result['threads_per_rank']} thread/rank"
-    config = f"{model_label}, {result['dtype']}, LoRA r={result['lora_rank']}, {world} rank{'s' if world > 1 else ''} {comm}"
+    config = (
+        f"{model_label}, {result['dtype']}, LoRA r={result['lora_rank']}, {world} rank{'s' if world > 1 else ''} {comm}"
+    )
     measurement = "gpu_export" if result["device"] == "cuda" else "export_gather"
     methods = result["methods"]
     base = methods.get(BASELINE)
@@ -92,16 +94,48 @@ def main(argv: list[str] | None = None) -> int:
         for world in (int(w) for w in args.worlds.split(",")):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "result.json"
-                cmd = ["--model", str(path), "--dtype", dtype, "--rank", "16", "--device", "cpu", "--repeats", str(reps),
-                       "--heavy-repeats", str(heavy), "--threads", str(args.threads), "--out", str(out)]
+                cmd = [
+                    "--model",
+                    str(path),
+                    "--dtype",
+                    dtype,
+                    "--rank",
+                    "16",
+                    "--device",
+                    "cpu",
+                    "--repeats",
+                    str(reps),
+                    "--heavy-repeats",
+                    str(heavy),
+                    "--threads",
+                    str(args.threads),
+                    "--out",
+                    str(out),
+                ]
                 try:
                     proc = torchrun("bench.export_gather_worker", cmd, world, timeout=900, threads=args.threads)
                 except subprocess.TimeoutExpired:
-                    records.append(Record("export_gather", "all methods", f"{label}, {world} ranks", None, error="torchrun timed out (900 s)"))
+                    records.append(
+                        Record(
+                            "export_gather",
+                            "all methods",
+                            f"{label}, {world} ranks",
+                            None,
+                            error="torchrun timed out (900 s)",
+                        )
+                    )
                     continue
                 if proc.returncode != 0 or not out.is_file():
                     tail = (proc.stderr or proc.stdout)[-800:]
-                    records.append(Record("export_gather", "all methods", f"{label}, {world} ranks", None, error=f"torchrun exit {proc.returncode}: {tail}"))
+                    records.append(
+                        Record(
+                            "export_gather",
+                            "all methods",
+                            f"{label}, {world} ranks",
+                            None,
+                            error=f"torchrun exit {proc.returncode}: {tail}",
+                        )
+                    )
                     continue
                 records += records_from(json.loads(out.read_text()), label)
     write_json(Path(args.out), [r.as_dict() for r in records])

@@ -139,7 +139,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--heavy-repeats", type=int, default=None, help="repeats of the whole-model methods (default: --repeats)")
+    ap.add_argument(
+        "--heavy-repeats", type=int, default=None, help="repeats of the whole-model methods (default: --repeats)"
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -161,11 +163,13 @@ def main() -> None:
     expected = seed_lora(engine)
 
     methods = args.methods.split(",")
-    results = {m: {"samples_s": [], "peaks": [], "num_tensors": 0, "bytes": 0, "max_abs_diff_vs_seeded": None} for m in methods}
+    results = {
+        m: {"samples_s": [], "peaks": [], "num_tensors": 0, "bytes": 0, "max_abs_diff_vs_seeded": None} for m in methods
+    }
     heavy_repeats = args.repeats if args.heavy_repeats is None else args.heavy_repeats
     for k in range(args.warmup + max(args.repeats, heavy_repeats)):
         # Methods back to back within a repeat, order rotated, so ratios can be paired per repeat.
-        for method in methods[k % len(methods):] + methods[: k % len(methods)]:
+        for method in methods[k % len(methods) :] + methods[: k % len(methods)]:
             if k >= args.warmup + (heavy_repeats if method in HEAVY_METHODS else args.repeats):
                 continue
             r = results[method]

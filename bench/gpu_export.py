@@ -39,12 +39,35 @@ def main(argv: list[str] | None = None) -> int:
         reps, heavy = (2, 1) if args.quick else (10, 5)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            cmd = ["--model", str(path), "--dtype", "bfloat16", "--rank", str(LORA_RANK), "--device", "cuda",
-                   "--repeats", str(reps), "--heavy-repeats", str(heavy), "--warmup", "2", "--out", str(out)]
+            cmd = [
+                "--model",
+                str(path),
+                "--dtype",
+                "bfloat16",
+                "--rank",
+                str(LORA_RANK),
+                "--device",
+                "cuda",
+                "--repeats",
+                str(reps),
+                "--heavy-repeats",
+                str(heavy),
+                "--warmup",
+                "2",
+                "--out",
+                str(out),
+            ]
             proc = torchrun("bench.export_gather_worker", cmd, args.world, timeout=1800, threads=4)
             if proc.returncode != 0 or not out.is_file():
-                records.append(Record("gpu_export", "all methods", f"{shape}, {args.world} GPUs", None,
-                                      error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"))
+                records.append(
+                    Record(
+                        "gpu_export",
+                        "all methods",
+                        f"{shape}, {args.world} GPUs",
+                        None,
+                        error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}",
+                    )
+                )
                 continue
             records += records_from(json.loads(out.read_text()), f"{shape} shape")
     write_json(Path(args.out), [r.as_dict() for r in records])

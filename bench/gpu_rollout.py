@@ -68,8 +68,15 @@ def generation_rates(llm, prompts, tokens: int, request, repeats: int) -> list[f
     return rates
 
 
-def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: tuple[str, ...], device: str = "cuda",
-            cuda_graphs: bool = False) -> list[Record]:
+def measure(
+    key: str,
+    cache: Path,
+    repeats: int,
+    gen_repeats: int,
+    transports: tuple[str, ...],
+    device: str = "cuda",
+    cuda_graphs: bool = False,
+) -> list[Record]:
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,7 +103,9 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
         if on_gpu:
             torch.cuda.empty_cache()
 
-    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     model = get_peft_model(base, lora).eval()
     config = adapter_config_dict(model)
     probe, start = probe_sequence(tokenizer)
@@ -132,8 +141,12 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
             # No local name for the engine: one left alive here kept the next engine
             # from finding its memory (7B: 62.7 of 62.9 GiB free).
             for prompts, tokens in workloads:
-                rates[("adapter", prompts)] = generation_rates(rollout._engine(), all_prompts[:prompts], tokens, rollout._lora_request(), gen_repeats)
-                rates[("lora_no_adapter", prompts)] = generation_rates(rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats)
+                rates[("adapter", prompts)] = generation_rates(
+                    rollout._engine(), all_prompts[:prompts], tokens, rollout._lora_request(), gen_repeats
+                )
+                rates[("lora_no_adapter", prompts)] = generation_rates(
+                    rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats
+                )
         rollout.shutdown()
         del rollout
         release()
@@ -141,7 +154,9 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
     rollout = VLLMRollout(path, lora_rank=None, **kw)
     sync_loop("merged", rollout, lambda: WeightPayload.base(merged_stream(model, ALPHA / RANK)))
     for prompts, tokens in workloads:
-        rates[("merged", prompts)] = generation_rates(rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats)
+        rates[("merged", prompts)] = generation_rates(
+            rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats
+        )
     rollout.shutdown()
     del rollout
     release()
@@ -151,13 +166,20 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
     records = []
     sync_stats = {name: Stat.of(samples) for name, samples in sync.items()}
     for name, stat in sync_stats.items():
-        records.append(Record(
-            "gpu_rollout", f"sync: {name}", cfg, stat,
-            baseline=None if name == first else f"sync: {first}",
-            ratio=None if name == first else ratio_of_medians(stat, sync_stats[first]),
-            extra={**info[name], "probe_logprob_diff_adapter_vs_merged": diff},
-            error=f"adapter and merged engines disagree on the probe by {diff:.3g} (> 0.25)" if diff > 0.25 else None,
-        ))
+        records.append(
+            Record(
+                "gpu_rollout",
+                f"sync: {name}",
+                cfg,
+                stat,
+                baseline=None if name == first else f"sync: {first}",
+                ratio=None if name == first else ratio_of_medians(stat, sync_stats[first]),
+                extra={**info[name], "probe_logprob_diff_adapter_vs_merged": diff},
+                error=f"adapter and merged engines disagree on the probe by {diff:.3g} (> 0.25)"
+                if diff > 0.25
+                else None,
+            )
+        )
     sync_a, sync_m = sync_stats[first].median, sync_stats["merged"].median
     for prompts, tokens in workloads:
         merged_rate = Stat.of(rates[("merged", prompts)], unit="tok/s")
@@ -173,12 +195,17 @@ def measure(key: str, cache: Path, repeats: int, gen_repeats: int, transports: t
                     extra["merged_wins_above_tokens_per_step"] = 0.0
                 else:
                     extra["merged_wins_above_tokens_per_step"] = None
-            records.append(Record(
-                "gpu_rollout", f"generate: {kind}", f"{cfg}; {prompts} prompts x {tokens} tokens", stat,
-                baseline=None if kind == "merged" else "generate: merged",
-                ratio=None if kind == "merged" else ratio_of_medians(stat, merged_rate),
-                extra=extra,
-            ))
+            records.append(
+                Record(
+                    "gpu_rollout",
+                    f"generate: {kind}",
+                    f"{cfg}; {prompts} prompts x {tokens} tokens",
+                    stat,
+                    baseline=None if kind == "merged" else "generate: merged",
+                    ratio=None if kind == "merged" else ratio_of_medians(stat, merged_rate),
+                    extra=extra,
+                )
+            )
     del model, base
     release()
     return records
@@ -201,11 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     records: list[Record] = []
     for key in args.models.split(","):
         try:
-            records += measure(key, cache, repeats=2 if args.quick else 8, gen_repeats=1 if args.quick else 3,
-                               transports=("tmpfs",) if args.quick else ("tmpfs", "memory"), device=args.device,
-                               cuda_graphs=args.cuda_graphs)
+            records += measure(
+                key,
+                cache,
+                repeats=2 if args.quick else 8,
+                gen_repeats=1 if args.quick else 3,
+                transports=("tmpfs",) if args.quick else ("tmpfs", "memory"),
+                device=args.device,
+                cuda_graphs=args.cuda_graphs,
+            )
         except Exception as exc:  # noqa: BLE001 - one model failing must not lose the other's numbers
-            records.append(Record("gpu_rollout", "all", MODELS.get(key, key), None, error=f"{type(exc).__name__}: {exc}"[:800]))
+            records.append(
+                Record("gpu_rollout", "all", MODELS.get(key, key), None, error=f"{type(exc).__name__}: {exc}"[:800])
+            )
     write_json(Path(args.out), [r.as_dict() for r in records])
     return 0
 

@@ -33,26 +33,53 @@ def main(argv: list[str] | None = None) -> int:
             config = f"{shape} shape, bf16, LoRA r=64 all linear, grad ckpt, {args.world} GPUs, {batch}x{seq} tokens/GPU/step"
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "r.json"
-                proc = torchrun("bench.gpu_throughput_worker", ["--model", str(path), "--batch", str(batch), "--seq", str(seq),
-                                "--repeats", "2" if args.quick else "6", "--out", str(out)], args.world, timeout=1800)
+                proc = torchrun(
+                    "bench.gpu_throughput_worker",
+                    [
+                        "--model",
+                        str(path),
+                        "--batch",
+                        str(batch),
+                        "--seq",
+                        str(seq),
+                        "--repeats",
+                        "2" if args.quick else "6",
+                        "--out",
+                        str(out),
+                    ],
+                    args.world,
+                    timeout=1800,
+                )
                 if proc.returncode != 0 or not out.is_file():
-                    records.append(Record("gpu_throughput", "FSDP2 update", config, None,
-                                          error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"))
+                    records.append(
+                        Record(
+                            "gpu_throughput",
+                            "FSDP2 update",
+                            config,
+                            None,
+                            error=f"torchrun exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}",
+                        )
+                    )
                     continue
                 r = json.loads(out.read_text())
             rates = [r["tokens_per_gpu_per_step"] / s for s in r["samples_s"]]
             rate = Stat.of(rates, unit="tok/s/GPU")
             peak = r["peak_tflops"] * 1e12
-            records.append(Record(
-                "gpu_throughput", "FSDP2 LoRA update (fwd+bwd+AdamW)", config, rate,
-                extra={
-                    "mfu": rate.median * r["flops_per_token_6n"] / peak,
-                    "mfu_lora": rate.median * r["flops_per_token_lora"] / peak,
-                    "tokens_per_s_all_gpus": rate.median * r["world"],
-                    "max_memory_allocated_gib_rank0": r["max_memory_allocated_gib_rank0"],
-                    "step_s": r["samples_s"],
-                },
-            ))
+            records.append(
+                Record(
+                    "gpu_throughput",
+                    "FSDP2 LoRA update (fwd+bwd+AdamW)",
+                    config,
+                    rate,
+                    extra={
+                        "mfu": rate.median * r["flops_per_token_6n"] / peak,
+                        "mfu_lora": rate.median * r["flops_per_token_lora"] / peak,
+                        "tokens_per_s_all_gpus": rate.median * r["world"],
+                        "max_memory_allocated_gib_rank0": r["max_memory_allocated_gib_rank0"],
+                        "step_s": r["samples_s"],
+                    },
+                )
+            )
     write_json(Path(args.out), [r.as_dict() for r in records])
     return 0
 

@@ -43,8 +43,12 @@ from lorarl.engines.fsdp import FSDPEngine
 
 def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool, device: str) -> RunConfig:
     return RunConfig(
-        model=ModelConfig(path=model, dtype="bfloat16", enable_gradient_checkpointing=checkpointing,
-                          lora=LoraConfig(rank=rank, alpha=2 * rank)),
+        model=ModelConfig(
+            path=model,
+            dtype="bfloat16",
+            enable_gradient_checkpointing=checkpointing,
+            lora=LoraConfig(rank=rank, alpha=2 * rank),
+        ),
         data=DataConfig(train_files=["unused"], train_batch_size=batch * world),
         rollout=RolloutConfig(n=1),
         actor=ActorConfig(ppo_mini_batch_size=batch * world, ppo_micro_batch_size_per_gpu=batch, use_kl_loss=True),
@@ -74,7 +78,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak per GPU")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): smoke test of this script only")
+    ap.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu (gloo): smoke test of this script only"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -85,7 +91,9 @@ def main() -> None:
     dist.init_process_group("nccl" if on_gpu else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
-    engine = FSDPEngine(make_run(args.model, args.rank, world, args.batch, not args.no_checkpointing, args.device), device)
+    engine = FSDPEngine(
+        make_run(args.model, args.rank, world, args.batch, not args.no_checkpointing, args.device), device
+    )
 
     def synchronize() -> None:
         if on_gpu:
@@ -95,8 +103,12 @@ def main() -> None:
     vocab = engine.model.config.vocab_size
     ids = torch.randint(10, min(500, vocab), (args.batch, args.seq), generator=gen).tolist()
     # One prompt token, the rest response: the loss covers every position.
-    batch = build_batch([s[:1] for s in ids], [s[1:] for s in ids], engine.pad_token_id,
-                        advantages=(torch.randn(args.batch, generator=gen)).tolist())
+    batch = build_batch(
+        [s[:1] for s in ids],
+        [s[1:] for s in ids],
+        engine.pad_token_id,
+        advantages=(torch.randn(args.batch, generator=gen)).tolist(),
+    )
     batch.old_logp = engine.log_probs(batch)
     batch.ref_logp = batch.old_logp.clone()  # the KL term's cost is the same for any reference
 

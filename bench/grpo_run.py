@@ -18,7 +18,9 @@ from pathlib import Path
 from bench.common import ROOT
 
 
-def run_grpo(run_dir: Path, cache: Path, overrides: list[str], timeout: int = 1200, threads: int | None = None) -> list[dict]:
+def run_grpo(
+    run_dir: Path, cache: Path, overrides: list[str], timeout: int = 1200, threads: int | None = None
+) -> list[dict]:
     """One CPU training run (1 rank); returns the per-step metric rows. Raises RuntimeError
     with the log tail when the run fails."""
     env = {

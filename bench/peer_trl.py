@@ -39,8 +39,15 @@ TRL = "TRL GRPOTrainer (merged full-weight sync)"
 
 def versus(what: str, config: str, stat: Stat, baseline: str, base: Stat | None, extra: dict) -> Record:
     """A row with its ratio to `baseline` (measured in the same run), when that one exists."""
-    return Record("peer_trl", what, config, stat, baseline=baseline if base else None,
-                  ratio=ratio_of_medians(stat, base) if base else None, extra=extra)
+    return Record(
+        "peer_trl",
+        what,
+        config,
+        stat,
+        baseline=baseline if base else None,
+        ratio=ratio_of_medians(stat, base) if base else None,
+        extra=extra,
+    )
 
 
 def run_ours(cache: Path, steps: int, tmp: Path, threads: int | None) -> list[dict]:
@@ -65,10 +72,27 @@ def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
         "OMP_NUM_THREADS": str(threads),
     }
     cmd = [
-        sys.executable, "-m", "bench.trl_grpo_worker", "--model", str(cache / "qwen2_tiny"),
-        "--train-parquet", str(cache / "data" / "arith_n1024" / "train.parquet"),
-        "--steps", str(steps), "--prompts", str(PROMPTS), "--n", str(N), "--max-tokens", str(MAX_TOKENS),
-        "--out", str(out), "--workdir", str(tmp / "trl_out"), "--threads", str(threads),
+        sys.executable,
+        "-m",
+        "bench.trl_grpo_worker",
+        "--model",
+        str(cache / "qwen2_tiny"),
+        "--train-parquet",
+        str(cache / "data" / "arith_n1024" / "train.parquet"),
+        "--steps",
+        str(steps),
+        "--prompts",
+        str(PROMPTS),
+        "--n",
+        str(N),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp / "trl_out"),
+        "--threads",
+        str(threads),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0 or not out.is_file():
@@ -86,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     cache = cache_dir(args.cache)
     tiny_model(cache)
     default_threads = max(1, os.cpu_count() or 1)  # lorarl's worker group: cpu_count // ranks, 1 rank
-    config = (f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps "
-              f"(first {WARMUP_STEPS} dropped), CPU")
+    config = (
+        f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps "
+        f"(first {WARMUP_STEPS} dropped), CPU"
+    )
     records: list[Record] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -98,25 +124,57 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows = run_ours(cache, args.steps, tmp, threads)[WARMUP_STEPS:]
             except Exception as exc:  # noqa: BLE001 - recorded as the result
-                records.append(Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+                records.append(
+                    Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])
+                )
                 continue
             step, sync = Stat.of([r["timing/step"] for r in rows]), Stat.of([r["sync/seconds"] for r in rows])
             ours[label] = step
             ours[label + " sync"] = sync
-            extra = {"sync_bytes": rows[-1]["sync/bytes"], "reward_mean_per_step": [r["reward/mean"] for r in rows],
-                     "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
-                     # Where lorarl's step goes, for reading the ratio (medians over the same steps).
-                     "median_s": {k: Stat.of([r[k] for r in rows]).median for k in
-                                  ("timing/gen", "timing/old_logp", "timing/ref_logp", "timing/update", "timing/train", "timing/sync")
-                                  if all(k in r for r in rows)}}
+            extra = {
+                "sync_bytes": rows[-1]["sync/bytes"],
+                "reward_mean_per_step": [r["reward/mean"] for r in rows],
+                "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
+                # Where lorarl's step goes, for reading the ratio (medians over the same steps).
+                "median_s": {
+                    k: Stat.of([r[k] for r in rows]).median
+                    for k in (
+                        "timing/gen",
+                        "timing/old_logp",
+                        "timing/ref_logp",
+                        "timing/update",
+                        "timing/train",
+                        "timing/sync",
+                    )
+                    if all(k in r for r in rows)
+                },
+            }
             base_step = ours.get(matched) if label != matched else None
             base_sync = ours.get(matched + " sync") if label != matched else None
-            records.append(versus(f"{label}: seconds per step", config, step, f"{matched}: seconds per step", base_step, extra))
-            records.append(versus(f"{label}: seconds per sync", config, sync, f"{matched}: seconds per sync", base_sync,
-                                  {"sync_bytes": rows[-1]["sync/bytes"]}))
+            records.append(
+                versus(f"{label}: seconds per step", config, step, f"{matched}: seconds per step", base_step, extra)
+            )
+            records.append(
+                versus(
+                    f"{label}: seconds per sync",
+                    config,
+                    sync,
+                    f"{matched}: seconds per sync",
+                    base_sync,
+                    {"sync_bytes": rows[-1]["sync/bytes"]},
+                )
+            )
         ours_step, ours_sync = ours.get(matched), ours.get(matched + " sync")
         if importlib.util.find_spec("trl") is None:
-            records.append(Record("peer_trl", TRL, config, None, error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)"))
+            records.append(
+                Record(
+                    "peer_trl",
+                    TRL,
+                    config,
+                    None,
+                    error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)",
+                )
+            )
         else:
             try:
                 result = run_trl(cache, args.steps, tmp, args.trl_threads)
@@ -124,16 +182,36 @@ def main(argv: list[str] | None = None) -> int:
                 # Sync i happens at the start of step i+1; the first one (before step 1) is warm-up.
                 syncs = [s["seconds"] for s in result["syncs"] if "error" not in s and not s.get("after_failure")]
                 failure = next((s["error"] for s in result["syncs"] if "error" in s), None)
-                trl_step, trl_sync = Stat.of(steps), Stat.of(syncs[WARMUP_STEPS - 1:] or syncs)
+                trl_step, trl_sync = Stat.of(steps), Stat.of(syncs[WARMUP_STEPS - 1 :] or syncs)
                 mode = "TRL's sync routed through vLLM reload_weights" if failure else "TRL unchanged"
-                extra = {"sync_as_is_error": failure, "sync_mode": mode, "init_s": result["init_s"],
-                         "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
-                         "torch_threads": result["torch_threads"]}
+                extra = {
+                    "sync_as_is_error": failure,
+                    "sync_mode": mode,
+                    "init_s": result["init_s"],
+                    "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
+                    "torch_threads": result["torch_threads"],
+                }
                 trl_label = f"{TRL}, {result['torch_threads']} thread"
-                records.append(versus(f"{trl_label}: seconds per step ({mode})", config, trl_step,
-                                      f"{matched}: seconds per step", ours_step, extra))
-                records.append(versus(f"{trl_label}: seconds per sync ({mode})", config, trl_sync,
-                                      f"{matched}: seconds per sync", ours_sync, {"sync_as_is_error": failure}))
+                records.append(
+                    versus(
+                        f"{trl_label}: seconds per step ({mode})",
+                        config,
+                        trl_step,
+                        f"{matched}: seconds per step",
+                        ours_step,
+                        extra,
+                    )
+                )
+                records.append(
+                    versus(
+                        f"{trl_label}: seconds per sync ({mode})",
+                        config,
+                        trl_sync,
+                        f"{matched}: seconds per sync",
+                        ours_sync,
+                        {"sync_as_is_error": failure},
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - recorded as the result
                 records.append(Record("peer_trl", TRL, config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
     write_json(Path(args.out), [r.as_dict() for r in records])

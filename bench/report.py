@@ -59,8 +59,13 @@ def notes(record: dict) -> str:
         parts.append(f"probe |adapter - merged| {extra['probe_logprob_diff_adapter_vs_merged']:.2g}")
     if "merged_wins_above_tokens_per_step" in extra:
         t = extra["merged_wins_above_tokens_per_step"]
-        parts.append("merged never cheaper" if t is None else
-                     "merged cheaper at any step size (faster sync and sampling)" if t == 0 else f"merged cheaper above {t:.0f} tokens/step")
+        parts.append(
+            "merged never cheaper"
+            if t is None
+            else "merged cheaper at any step size (faster sync and sampling)"
+            if t == 0
+            else f"merged cheaper above {t:.0f} tokens/step"
+        )
     if extra.get("sync_as_is_error"):
         parts.append(f"TRL sync as shipped failed: `{extra['sync_as_is_error'][:80]}`")
     if record.get("error"):
@@ -87,7 +92,12 @@ def markdown(result: dict) -> str:
     for r in result["records"]:
         by_measurement.setdefault(r["measurement"], []).append(r)
     for measurement, records in by_measurement.items():
-        lines += [f"## {TITLES.get(measurement, measurement)}", "", "| what | config | median | spread | ratio | notes |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {TITLES.get(measurement, measurement)}",
+            "",
+            "| what | config | median | spread | ratio | notes |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in records:
             s = r["stat"]
             if s:

@@ -65,12 +65,20 @@ def run_measurement(module: str, args: list[str], cache: Path, timeout: int) -> 
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            failure = None if proc.returncode == 0 and out.is_file() else f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"
+            failure = (
+                None
+                if proc.returncode == 0 and out.is_file()
+                else f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"
+            )
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout} s"
         wall = time.perf_counter() - t0
         if failure:
-            return [Record(module, f"{module}: whole measurement", " ".join(args) or "defaults", None, error=failure).as_dict()], wall
+            return [
+                Record(
+                    module, f"{module}: whole measurement", " ".join(args) or "defaults", None, error=failure
+                ).as_dict()
+            ], wall
         return json.loads(out.read_text()), wall
 
 
@@ -90,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - {m for m, _ in plan})
         if unknown:
-            raise SystemExit(f"--only: {', '.join(unknown)} not in the {args.suite} suite ({', '.join(m for m, _ in plan)})")
+            raise SystemExit(
+                f"--only: {', '.join(unknown)} not in the {args.suite} suite ({', '.join(m for m, _ in plan)})"
+            )
         plan = [(m, a) for m, a in plan if m in wanted]
     cache = cache_dir(args.cache)
     env = environment()
@@ -104,20 +114,27 @@ def main(argv: list[str] | None = None) -> int:
         rows, walls[module] = run_measurement(module, margs, cache, args.timeout)
         records += rows
         errors = [r["error"] for r in rows if r.get("error")]
-        print(f"[bench] {module}: {len(rows)} rows, {walls[module]:.0f} s" + (f", {len(errors)} with errors" if errors else ""), flush=True)
+        print(
+            f"[bench] {module}: {len(rows)} rows, {walls[module]:.0f} s"
+            + (f", {len(errors)} with errors" if errors else ""),
+            flush=True,
+        )
     date = dt.date.today().isoformat()
     result = {
         "suite": args.suite,
         "date": date,
         "quick": args.quick,
-        "command": "python -m bench.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": "python -m bench.run "
+        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "environment": env,
         "wall_s": time.perf_counter() - t_start,
         "wall_s_per_measurement": walls,
         "loadavg_end": os.getloadavg(),
         "records": records,
     }
-    js, md = report.write(result, Path(args.out_dir), args.stem or f"{args.suite}_{date}{'_quick' if args.quick else ''}")
+    js, md = report.write(
+        result, Path(args.out_dir), args.stem or f"{args.suite}_{date}{'_quick' if args.quick else ''}"
+    )
     print(f"[bench] wrote {js} and {md} ({result['wall_s']:.0f} s)")
     return 1 if any(r.get("error") for r in records) else 0
 

@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_grpo(Path(tmp) / "run", cache, [f"trainer.total_steps={args.steps}"])
             records = breakdown(rows, config)
         except Exception as exc:  # noqa: BLE001 - recorded as the result
-            records = [Record("step_breakdown", "end-to-end run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])]
+            records = [
+                Record("step_breakdown", "end-to-end run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])
+            ]
     write_json(Path(args.out), [r.as_dict() for r in records])
     return 0
 

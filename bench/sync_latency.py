@@ -36,13 +36,13 @@ from bench.common import (  # noqa: E402 - the env var must be set before vLLM i
     Stat,
     adapter_config_dict,
     cache_dir,
-    perturb_lora,
     peft_lora_config,
+    perturb_lora,
     qwen05_shaped_model,
     ratio_stat,
     set_threads,
-    tiny_model,
     timed,
+    tiny_model,
     write_json,
 )
 
@@ -134,8 +134,12 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
     kw = dict(max_model_len=MAX_MODEL_LEN, seed=0)
     engines: dict[str, VLLMRollout] = {}
     init_s = {}
-    init_s["lora_tmpfs"], engines["a_tmpfs"] = timed(lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="tmpfs", **kw))
-    init_s["lora_memory"], engines["a_memory"] = timed(lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="memory", **kw))
+    init_s["lora_tmpfs"], engines["a_tmpfs"] = timed(
+        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="tmpfs", **kw)
+    )
+    init_s["lora_memory"], engines["a_memory"] = timed(
+        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="memory", **kw)
+    )
     init_s["no_lora"], engines["b_merged"] = timed(lambda: VLLMRollout(path, lora_rank=None, **kw))
     base_probe = engines["b_merged"].prompt_logprobs(probe, start)  # base from disk, before any sync
 
@@ -148,7 +152,12 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
 
     def sync_a(method: str) -> dict:
         stats = engines[method].apply(WeightPayload.adapter(get_peft_model_state_dict(model), config))
-        return {"bytes": stats.bytes, "num_tensors": stats.num_tensors, "transfer_s": stats.transfer_s, "load_s": stats.load_s}
+        return {
+            "bytes": stats.bytes,
+            "num_tensors": stats.num_tensors,
+            "transfer_s": stats.transfer_s,
+            "load_s": stats.load_s,
+        }
 
     def sync_b() -> dict:
         stats = engines["b_merged"].apply(WeightPayload.base(merged_stream(model, scale)))
@@ -166,7 +175,12 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
         size = sum(f.stat().st_size for f in disk_dir.iterdir() if f.is_file())
         return {"bytes": size, "save_s": save_s, "load_s": load_s}
 
-    syncs = {"a_tmpfs": lambda: sync_a("a_tmpfs"), "a_memory": lambda: sync_a("a_memory"), "b_merged": sync_b, "c_disk": sync_c}
+    syncs = {
+        "a_tmpfs": lambda: sync_a("a_tmpfs"),
+        "a_memory": lambda: sync_a("a_memory"),
+        "b_merged": sync_b,
+        "c_disk": sync_c,
+    }
     samples: dict[str, list[float]] = {m: [] for m in METHODS}
     firsts: dict[str, list[float]] = {m: [] for m in METHODS}
     details: dict[str, dict] = {}
@@ -212,7 +226,9 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
                     "tolerance": tol,
                     "engine_init_s": init_s,
                 },
-                error=f"after the sync vLLM disagrees with HF+PEFT by {checks[method]:.4g} > {tol:.3g}: not synced" if bad else None,
+                error=f"after the sync vLLM disagrees with HF+PEFT by {checks[method]:.4g} > {tol:.3g}: not synced"
+                if bad
+                else None,
             )
         )
     if gen_repeats:
@@ -232,7 +248,10 @@ def measure_generation(name: str, cfg: str, engines: dict, tokenizer, repeats: i
     from lorarl.data import arith
     from lorarl.models.tiny import prompt_ids
 
-    prompts = [{"prompt_token_ids": prompt_ids(tokenizer, r["prompt"])} for r in arith.make_rows(GEN_PROMPTS, seed=3, split="bench")]
+    prompts = [
+        {"prompt_token_ids": prompt_ids(tokenizer, r["prompt"])}
+        for r in arith.make_rows(GEN_PROMPTS, seed=3, split="bench")
+    ]
     params = SamplingParams(n=GEN_N, max_tokens=GEN_TOKENS, ignore_eos=True, temperature=1.0, detokenize=False)
     runs = {
         "adapter": (engines["a_tmpfs"]._engine(), engines["a_tmpfs"]._lora_request()),
@@ -247,7 +266,7 @@ def measure_generation(name: str, cfg: str, engines: dict, tokenizer, repeats: i
     rates: dict[str, list[float]] = {k: [] for k in runs}
     for k in range(repeats + 1):
         keys = list(runs)
-        keys = keys[k % len(keys):] + keys[: k % len(keys)]
+        keys = keys[k % len(keys) :] + keys[: k % len(keys)]
         for key in keys:
             llm, request = runs[key]
             seconds, outs = timed(lambda: llm.generate(prompts, params, lora_request=request, use_tqdm=False))
@@ -302,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             records += measure_model(name, path, scratch, repeats=reps, warmup=2, gen_repeats=gen)
         except Exception as exc:  # noqa: BLE001 - one model failing must not lose the other's numbers
-            records.append(Record("sync_latency", "all methods", name, None, error=f"{type(exc).__name__}: {exc}"[:500]))
+            records.append(
+                Record("sync_latency", "all methods", name, None, error=f"{type(exc).__name__}: {exc}"[:500])
+            )
     write_json(Path(args.out), [r.as_dict() for r in records])
     return 0
 

@@ -92,7 +92,13 @@ def main() -> None:
             original_sync(self)
             sync_log.append({"mode": "trl_as_is", "seconds": time.perf_counter() - t0})
         except Exception as exc:  # noqa: BLE001 - the failure is a result; the run goes on via reload
-            sync_log.append({"mode": "trl_as_is", "seconds": time.perf_counter() - t0, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            sync_log.append(
+                {
+                    "mode": "trl_as_is",
+                    "seconds": time.perf_counter() - t0,
+                    "error": f"{type(exc).__name__}: {exc}"[:400],
+                }
+            )
             t1 = time.perf_counter()
             reload_sync(self)
             sync_log.append({"mode": "reload_weights", "seconds": time.perf_counter() - t1, "after_failure": True})
@@ -142,7 +148,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     peft_config = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
     t0 = time.perf_counter()
@@ -167,7 +177,13 @@ def main() -> None:
         "train_s": train_s,
         "reward_mean_per_step": rewards,
         "torch_threads": torch.get_num_threads(),
-        "config": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "steps": args.steps, "lora_rank": 16},
+        "config": {
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "steps": args.steps,
+            "lora_rank": 16,
+        },
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -1,8 +1,8 @@
 """GRPO with LoRA: compose the config, validate it, hand it to the trainer.
 
-    python -m recipes.grpo +backend=fsdp
-    python -m recipes.grpo +backend=fsdp model=qwen2_5_0_5b_instruct data=gsm8k
-    python -m recipes.grpo -m +backend=fsdp model.lora.rank=8,32
+python -m recipes.grpo +backend=fsdp
+python -m recipes.grpo +backend=fsdp model=qwen2_5_0_5b_instruct data=gsm8k
+python -m recipes.grpo -m +backend=fsdp model.lora.rank=8,32
 """
 
 from __future__ import annotations

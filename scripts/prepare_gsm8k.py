@@ -71,8 +71,12 @@ def load_hub() -> dict[str, list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jsonl-dir", type=Path, default=None,
-                        help="read DIR/train.jsonl and DIR/test.jsonl instead of the Hugging Face hub")
+    parser.add_argument(
+        "--jsonl-dir",
+        type=Path,
+        default=None,
+        help="read DIR/train.jsonl and DIR/test.jsonl instead of the Hugging Face hub",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("~/data/gsm8k"))
     args = parser.parse_args(argv)
     try:

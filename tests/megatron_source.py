@@ -19,10 +19,11 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 WHEELS = {"megatron-bridge": "0.6.2", "mbridge": "0.15.1", "megatron-core": "0.19.2"}
 
@@ -31,7 +32,7 @@ class SourcesUnavailable(RuntimeError):
     pass
 
 
-@lru_cache(maxsize=None)
+@cache
 def fetch(cache_dir: str) -> Path:
     """Directory with one unpacked tree per wheel: <root>/<dist>/<package files>."""
     root = Path(cache_dir)
@@ -89,17 +90,17 @@ class Api:
         return set(self.methods) | set(self.fields)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _texts(tree_root: str) -> dict[Path, str]:
     return {p: p.read_text(encoding="utf-8", errors="replace") for p in Path(tree_root).rglob("*.py")}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _classes_named(tree_root: str, name: str) -> tuple[ClassInfo, ...]:
     # Parsing ~1500 files takes seconds; only files whose text defines the class are parsed.
     pattern = re.compile(rf"^class {re.escape(name)}\b", re.M)
@@ -171,9 +172,22 @@ def class_api(roots: list[Path], path: Path, class_name: str) -> Api:
         seen.add(info.name)
         for node in info.node.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in api.methods:
-                decos = {d.id if isinstance(d, ast.Name) else d.attr if isinstance(d, ast.Attribute) else "" for d in node.decorator_list}
-                kind = "classmethod" if "classmethod" in decos else "staticmethod" if "staticmethod" in decos else "property" if "property" in decos or "cached_property" in decos else "instance"
-                api.methods[node.name] = _signature(node.args, drop_first=kind in ("instance", "classmethod", "property"))
+                decos = {
+                    d.id if isinstance(d, ast.Name) else d.attr if isinstance(d, ast.Attribute) else ""
+                    for d in node.decorator_list
+                }
+                kind = (
+                    "classmethod"
+                    if "classmethod" in decos
+                    else "staticmethod"
+                    if "staticmethod" in decos
+                    else "property"
+                    if "property" in decos or "cached_property" in decos
+                    else "instance"
+                )
+                api.methods[node.name] = _signature(
+                    node.args, drop_first=kind in ("instance", "classmethod", "property")
+                )
                 api.kinds[node.name] = kind
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 if node.target.id not in api.fields:
@@ -246,7 +260,9 @@ def spec_object(api: Api, impls: dict[str, Callable[..., Any]], calls: list[tupl
 # ---------------------------------------------------------------------------------------------
 
 
-def load_functions(path: Path, names: list[str], namespace: dict[str, Any], class_name: str | None = None) -> dict[str, Callable]:
+def load_functions(
+    path: Path, names: list[str], namespace: dict[str, Any], class_name: str | None = None
+) -> dict[str, Callable]:
     """Execute the real source of top-level functions (or methods of `class_name`) from `path`."""
     text = path.read_text(encoding="utf-8")
     mod = ast.parse(text)
@@ -326,12 +342,14 @@ class Sources:
 
 def sources_or_skip(request: Any) -> Sources:
     """The unpacked wheels, cached in pytest's cache dir; skip (with the reason) if unreachable."""
-    import pytest
-
     import tempfile
 
+    import pytest
+
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    where = cache.mkdir("megatron-wheels") if cache is not None else Path(tempfile.gettempdir()) / "lorarl-megatron-wheels"
+    where = (
+        cache.mkdir("megatron-wheels") if cache is not None else Path(tempfile.gettempdir()) / "lorarl-megatron-wheels"
+    )
     try:
         return Sources(fetch(str(where)))
     except SourcesUnavailable as e:

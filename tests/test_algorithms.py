@@ -21,11 +21,13 @@ T = torch.tensor
 
 
 def close(actual, expected, tol=1e-6):
-    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float64),
-                          torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0), (actual, expected)
+    assert torch.allclose(
+        torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0
+    ), (actual, expected)
 
 
 # ---------------------------------------------------------------- masked reductions
+
 
 def test_masked_sum_and_mean_all_and_per_row():
     x = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -43,6 +45,7 @@ def test_masked_mean_ignores_nan_in_masked_positions():
 
 
 # ---------------------------------------------------------------- advantages
+
 
 def test_grpo_advantages_interleaved_groups():
     # group 7 -> rewards 0, 2, 4: mean 2, unbiased var (4+0+4)/2 = 4, std 2 -> -1, 0, 1
@@ -79,6 +82,7 @@ def test_grpo_advantages_rejects_shape_mismatch():
 
 # ---------------------------------------------------------------- log-probs / entropy
 
+
 def test_logprobs_from_logits_hand_values():
     # softmax(log([1,2,3,4])) = [.1,.2,.3,.4]; uniform over 4 -> -ln 4
     lp = torch.log(T([1.0, 2.0, 3.0, 4.0]))
@@ -104,6 +108,7 @@ def test_entropy_hand_values():
 
 
 # ---------------------------------------------------------------- KL
+
 
 def test_kl_penalty_kinds():
     logp = T([-1.0, -2.0])
@@ -132,6 +137,7 @@ def test_kl_penalty_unknown_kind_names_key():
 
 
 # ---------------------------------------------------------------- aggregation
+
 
 def test_agg_loss_modes():
     loss = T([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [9.0, 9.0, 9.0]])
@@ -212,8 +218,7 @@ def test_policy_loss_rejects_dual_clip_at_or_below_one():
 def test_policy_loss_on_policy_equals_minus_mean_advantage():
     # ratio 1 everywhere: loss = -mean(A) over kept tokens = -(1 + 1 - 1) / 3
     logp = torch.full((2, 2), -0.7)
-    loss, m = policy_loss(logp, logp.clone(), T([1.0, -1.0]), T([[1, 1], [1, 0]]).float(),
-                          loss_agg_mode="token-mean")
+    loss, m = policy_loss(logp, logp.clone(), T([1.0, -1.0]), T([[1, 1], [1, 0]]).float(), loss_agg_mode="token-mean")
     close(loss, (-(1 + 1) + 1) / 3)
     assert m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
     assert math.isfinite(loss.item())

@@ -56,13 +56,18 @@ def test_partial_saves_are_cleaned_and_retention_keeps_newest(tmp_path):
 
 
 def test_adapter_and_optimizer_round_trip(tmp_path):
-    tensors = {"base_model.model.m.lora_A.weight": torch.randn(4, 8), "base_model.model.m.lora_B.weight": torch.zeros(8, 4)}
+    tensors = {
+        "base_model.model.m.lora_A.weight": torch.randn(4, 8),
+        "base_model.model.m.lora_B.weight": torch.zeros(8, 4),
+    }
     save_peft_adapter(tmp_path / "a", tensors, {"r": 4, "lora_alpha": 8})
     loaded, config = load_peft_adapter(tmp_path / "a")
     assert config["r"] == 4 and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    osd = {"state": {"p.lora_A": {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
-           "param_groups": [{"lr": 1e-3, "params": ["p.lora_A"]}]}
+    osd = {
+        "state": {"p.lora_A": {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+        "param_groups": [{"lr": 1e-3, "params": ["p.lora_A"]}],
+    }
     flat, meta = flatten_optimizer_state(osd)
     back = unflatten_optimizer_state(flat, meta)
     assert back["param_groups"] == osd["param_groups"]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
 import lorarl.config  # noqa: F401  (registers schemas)
-from lorarl.config import MISSING_BACKEND, FSDPBackendConfig, MegatronBackendConfig, to_run_config
+from lorarl.config import FSDPBackendConfig, MegatronBackendConfig, to_run_config
 from lorarl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,15 +92,54 @@ def test_user_facing_key_spellings(hydra_compose):
     cfg = resolved(hydra_compose(["+backend=fsdp"]))
     spelled = {
         "model": ["path", "lora"],
-        "data": ["train_files", "val_files", "train_batch_size", "max_prompt_length", "max_response_length",
-                 "filter_overlong_prompts", "truncation", "shuffle"],
-        "rollout": ["n", "temperature", "top_p", "gpu_memory_utilization", "tensor_model_parallel_size",
-                    "load_format", "layered_summon", "enforce_eager"],
-        "actor": ["optim", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "clip_ratio",
-                  "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "grad_clip"],
+        "data": [
+            "train_files",
+            "val_files",
+            "train_batch_size",
+            "max_prompt_length",
+            "max_response_length",
+            "filter_overlong_prompts",
+            "truncation",
+            "shuffle",
+        ],
+        "rollout": [
+            "n",
+            "temperature",
+            "top_p",
+            "gpu_memory_utilization",
+            "tensor_model_parallel_size",
+            "load_format",
+            "layered_summon",
+            "enforce_eager",
+        ],
+        "actor": [
+            "optim",
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "clip_ratio",
+            "entropy_coeff",
+            "use_kl_loss",
+            "kl_loss_coef",
+            "kl_loss_type",
+            "loss_agg_mode",
+            "grad_clip",
+        ],
         "algorithm": ["adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward"],
-        "trainer": ["total_epochs", "total_steps", "save_freq", "test_freq", "val_before_train", "logger",
-                    "project_name", "experiment_name", "nnodes", "n_gpus_per_node", "device", "seed"],
+        "trainer": [
+            "total_epochs",
+            "total_steps",
+            "save_freq",
+            "test_freq",
+            "val_before_train",
+            "logger",
+            "project_name",
+            "experiment_name",
+            "nnodes",
+            "n_gpus_per_node",
+            "device",
+            "seed",
+        ],
     }
     for group, keys in spelled.items():
         for key in keys:
@@ -125,7 +164,16 @@ def test_wrong_type_names_the_key(hydra_compose):
 def test_backend_keys_are_typed(hydra_compose):
     with pytest.raises(ConfigCompositionException):
         hydra_compose(["+backend=fsdp", "backend.tensor_model_parallel_size=2"])
-    run = to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2", "model.lora.rank=16"]))
+    run = to_run_config(
+        hydra_compose(
+            [
+                "+backend=megatron",
+                "backend.tensor_model_parallel_size=2",
+                "trainer.n_gpus_per_node=2",
+                "model.lora.rank=16",
+            ]
+        )
+    )
     assert run.backend.tensor_model_parallel_size == 2
 
 
@@ -164,22 +212,45 @@ def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
 
 def test_megatron_checks(hydra_compose):
     with pytest.raises(ConfigError, match="backend.tensor_model_parallel_size"):
-        to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "model.lora.rank=15"]))
+        to_run_config(
+            hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "model.lora.rank=15"])
+        )
     with pytest.raises(ConfigError, match="mbridge"):
         to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
     run = to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
     assert run.model.lora.merge
     # Tensor-parallel ranks share a replica: batch sizes divide over replicas, not devices.
-    run = to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
-                                       "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size_per_gpu=3"]))
+    run = to_run_config(
+        hydra_compose(
+            [
+                "+backend=megatron",
+                "backend.tensor_model_parallel_size=2",
+                "trainer.n_gpus_per_node=2",
+                "data.train_batch_size=3",
+                "actor.ppo_mini_batch_size=3",
+                "actor.ppo_micro_batch_size_per_gpu=3",
+            ]
+        )
+    )
     assert run.data.train_batch_size == 3
     with pytest.raises(ConfigError, match="data-parallel replicas"):
-        to_run_config(hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4",
-                                     "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]))
+        to_run_config(
+            hydra_compose(
+                [
+                    "+backend=megatron",
+                    "backend.tensor_model_parallel_size=2",
+                    "trainer.n_gpus_per_node=4",
+                    "data.train_batch_size=3",
+                    "actor.ppo_mini_batch_size=3",
+                ]
+            )
+        )
 
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recipes.grpo", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "recipes.grpo", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_prints_composed_config():

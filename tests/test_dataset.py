@@ -59,6 +59,7 @@ def _rows(texts):
 
 # ---------------------------------------------------------------- parquet io
 
+
 def test_write_and_load_roundtrip_multiple_files(tmp_path):
     a = write_parquet(make_rows(3, 0, "train"), tmp_path / "sub" / "a.parquet")
     b = write_parquet(make_rows(2, 0, "test"), tmp_path / "b.parquet")
@@ -86,13 +87,15 @@ def test_load_rows_unreadable_file(tmp_path):
 
 def test_load_rows_missing_columns(tmp_path):
     path = tmp_path / "cols.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "hi"}],
-                                           "reward_model": {"style": "rule"}}]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"style": "rule"}}]), path
+    )
     with pytest.raises(DataError, match=r"cols\.parquet.*data_source.*reward_model\.ground_truth"):
         load_rows(str(path))
 
 
 # ---------------------------------------------------------------- prompts
+
 
 def test_build_prompts_uses_chat_template(tokenizer):
     rows = make_rows(4, 1, "train")
@@ -111,8 +114,10 @@ def test_build_prompts_uses_chat_template(tokenizer):
 
 
 def _lengths(tokenizer, rows):
-    return [len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                              return_dict=False)) for r in rows]
+    return [
+        len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for r in rows
+    ]
 
 
 def test_overlong_prompts_filter_truncate_or_error(tokenizer):
@@ -124,16 +129,19 @@ def test_overlong_prompts_filter_truncate_or_error(tokenizer):
     items, n = build_prompts(rows, tokenizer, limit, filter_overlong_prompts=True, truncation="error")
     assert n == 1 and [it.index for it in items] == [0, 2]
 
-    full = tokenizer.apply_chat_template(rows[1]["prompt"], add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    full = tokenizer.apply_chat_template(
+        rows[1]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     left, _ = build_prompts(rows, tokenizer, limit, filter_overlong_prompts=False, truncation="left")
     right, _ = build_prompts(rows, tokenizer, limit, filter_overlong_prompts=False, truncation="right")
     assert left[1].prompt_ids == full[-limit:]
     assert right[1].prompt_ids == full[:limit]
     assert left[0].prompt_ids == right[0].prompt_ids and len(left[0].prompt_ids) == lengths[0]
 
-    msg = (rf"row 1.*{lengths[1]}.*data\.max_prompt_length={limit}.*data\.filter_overlong_prompts"
-           rf".*data\.truncation")
+    msg = (
+        rf"row 1.*{lengths[1]}.*data\.max_prompt_length={limit}.*data\.filter_overlong_prompts"
+        rf".*data\.truncation"
+    )
     with pytest.raises(DataError, match=msg):
         build_prompts(rows, tokenizer, limit, filter_overlong_prompts=False, truncation="error")
 
@@ -161,6 +169,7 @@ def test_build_prompts_reads_parquet_rows_with_int_ground_truth(tmp_path, tokeni
 
 
 # ---------------------------------------------------------------- loader
+
 
 def _items(n):
     return [PromptItem(index=i, prompt_ids=[i], data_source="arith", ground_truth=str(i)) for i in range(n)]
@@ -224,8 +233,11 @@ def test_loader_errors():
 
 # ---------------------------------------------------------------- synthetic task files
 
+
 def test_ensure_arith_parquet_writes_once(tmp_path):
-    train, val = ensure_arith_parquet(tmp_path / "arith" / "train.parquet", tmp_path / "arith" / "val.parquet", n_train=12, n_val=5, seed=1)
+    train, val = ensure_arith_parquet(
+        tmp_path / "arith" / "train.parquet", tmp_path / "arith" / "val.parquet", n_train=12, n_val=5, seed=1
+    )
     train_rows, val_rows = load_rows(train), load_rows(val)
     assert len(train_rows) == 12 and len(val_rows) == 5
     assert train_rows == make_rows(12, 1, "train")

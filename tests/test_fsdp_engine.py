@@ -20,7 +20,15 @@ SCRIPT = ROOT / "tests" / "distributed" / "fsdp_engine_check.py"
 
 def torchrun(nproc: int, *args: str, timeout: int = 600) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(SCRIPT), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        str(SCRIPT),
+        *args,
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
 
@@ -41,7 +49,11 @@ def hf_peft(model_path: Path, adapter: dict[str, torch.Tensor] | None):
         return model.eval()
     peft_model = get_peft_model(
         model,
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
     )
     result = set_peft_model_state_dict(peft_model, adapter)
     assert not result.unexpected_keys
@@ -67,7 +79,10 @@ def test_adapter_gather_methods_agree(engine_run):
             torch.testing.assert_close(other[k], bucketed[k], rtol=0, atol=0)
     # 2 layers x 7 projections x (A, B), PEFT names that vLLM's parser accepts.
     assert len(bucketed) == 28
-    assert all(k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in bucketed)
+    assert all(
+        k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight"))
+        for k in bucketed
+    )
 
 
 def test_engine_logprobs_match_hf_peft(engine_run, tiny_model_path):

@@ -23,11 +23,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("ranks,merge", [(2, False), (1, True)], ids=["adapter-2ranks", "merged-1rank"])
 def test_gpu_steps_script_runs_on_cpu(tiny_model_path, tmp_path, ranks, merge):  # the fixture builds the model once
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(ROOT / "tests/gpu/grpo_gpu_steps.py"), "--device", "cpu", "--model", "tiny", "--steps", "3",
-           "--batch", "4", "--out", str(tmp_path)] + (["--merge"] if merge else [])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "LORARL_GPU_HANG_S": "500"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        str(ROOT / "tests/gpu/grpo_gpu_steps.py"),
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--out",
+        str(tmp_path),
+    ] + (["--merge"] if merge else [])
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "LORARL_GPU_HANG_S": "500"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / f"{run_name('fsdp', 'tiny', ranks, merge, cuda=False)}.json").read_text())
     kind = "base" if merge else "adapter"

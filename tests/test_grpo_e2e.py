@@ -20,12 +20,22 @@ pytestmark = pytest.mark.slow
 
 def grpo(run_dir: Path, cache: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "LORARL_CACHE": str(cache)}
-    cmd = [sys.executable, "-m", "recipes.grpo", "+backend=fsdp", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        "+backend=fsdp",
+        "trainer.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in line]
+    return [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"reward/mean"' in line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +45,14 @@ def cache(run_cache) -> Path:
 
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     """If rollouts did not use the trained adapter, reward could not climb: this is the proof."""
-    out = grpo(tmp_path / "run", cache, "trainer.total_steps=40", "trainer.device=cpu", "trainer.val_before_train=true", "trainer.test_freq=20")
+    out = grpo(
+        tmp_path / "run",
+        cache,
+        "trainer.total_steps=40",
+        "trainer.device=cpu",
+        "trainer.val_before_train=true",
+        "trainer.test_freq=20",
+    )
     assert out.returncode == 0, out.stderr[-5000:]
     rows = metrics(tmp_path / "run")
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -48,8 +65,20 @@ def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(r["sync/kind"] == "adapter" and r["sync/num_adapters"] == 1 for r in rows)
-    for key in ("reward/std", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
-                "sync/num_tensors", "sync/bytes", "sync/seconds", "timing/gen", "timing/update", "timing/step"):
+    for key in (
+        "reward/std",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "sync/num_tensors",
+        "sync/bytes",
+        "sync/seconds",
+        "timing/gen",
+        "timing/update",
+        "timing/step",
+    ):
         assert key in rows[0], key
     assert (tmp_path / "run" / "plot_reward.png").exists()
     check_adapter_loads_in_peft_and_vllm(tmp_path / "run" / "final_adapter", cache / "qwen2_tiny")
@@ -66,17 +95,43 @@ def check_adapter_loads_in_peft_and_vllm(adapter_dir: Path, base_path: Path) -> 
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]).resolve() == base_path.resolve()
     tok = AutoTokenizer.from_pretrained(base_path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
-                                       add_generation_prompt=True, tokenize=True)["input_ids"] for a, b in ((1, 2), (3, 4), (5, 2))]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter_dir).eval()
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )["input_ids"]
+        for a, b in ((1, 2), (3, 4), (5, 2))
+    ]
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter_dir
+    ).eval()
     hf = []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        hf.append(out[0, len(p):].tolist())
-    llm = LLM(model=str(base_path), enable_lora=True, max_lora_rank=config["r"], max_loras=1, max_model_len=128,
-              enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, dtype="float32")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0.0),
-                        lora_request=LoRARequest("final", 1, str(adapter_dir)), use_tqdm=False)
+        out = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        hf.append(out[0, len(p) :].tolist())
+    llm = LLM(
+        model=str(base_path),
+        enable_lora=True,
+        max_lora_rank=config["r"],
+        max_loras=1,
+        max_model_len=128,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 * 2**20,
+        dtype="float32",
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=4, temperature=0.0),
+        lora_request=LoRARequest("final", 1, str(adapter_dir)),
+        use_tqdm=False,
+    )
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert [g[: len(h)] for g, h in zip(got, hf)] == hf
     del llm
@@ -86,8 +141,13 @@ def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):
     """2 FSDP ranks, each with its own vLLM started from random (dummy) weights: the first sync
     must send the base, later ones only the adapter, and the probe must agree every step."""
     out = grpo(
-        tmp_path / "run", cache, "trainer.total_steps=3", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
-        "trainer.check_sync=true", "rollout.load_format=dummy",
+        tmp_path / "run",
+        cache,
+        "trainer.total_steps=3",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=2",
+        "trainer.check_sync=true",
+        "rollout.load_format=dummy",
     )
     assert out.returncode == 0, out.stderr[-5000:]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -99,7 +159,13 @@ def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):
 
 
 def test_resume_matches_an_uninterrupted_run(cache, tmp_path):
-    common = ("trainer.device=cpu", "trainer.logger=[jsonl]", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4")
+    common = (
+        "trainer.device=cpu",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "rollout.n=4",
+    )
     straight = grpo(tmp_path / "a", cache, "trainer.total_steps=4", *common)
     assert straight.returncode == 0, straight.stderr[-5000:]
     first = grpo(tmp_path / "b", cache, "trainer.total_steps=2", "trainer.save_freq=2", *common)
@@ -118,9 +184,21 @@ def test_resume_matches_an_uninterrupted_run(cache, tmp_path):
 
 def test_multirun_folders_and_summary(cache, tmp_path):
     env = {**os.environ, "LORARL_CACHE": str(cache)}
-    cmd = [sys.executable, "-m", "recipes.grpo", "-m", "+backend=fsdp", "trainer.progress_bar=false", "trainer.device=cpu",
-           "trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4",
-           "model.lora.rank=8,16", f"hydra.sweep.dir={tmp_path}/sweep"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.grpo",
+        "-m",
+        "+backend=fsdp",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "trainer.total_steps=2",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "rollout.n=4",
+        "model.lora.rank=8,16",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-5000:]
     sweep = tmp_path / "sweep"

@@ -71,7 +71,9 @@ def test_mbridge_defines_every_method_we_call(src, mbridge_api):
 
 
 def test_keyword_arguments_exist_in_real_signatures(mb_api, mbridge_api):
-    mb_api.methods["export_hf_weights"].bind([], cpu=False, show_progress=False, conversion_tasks=[], merge_adapter_weights=False)
+    mb_api.methods["export_hf_weights"].bind(
+        [], cpu=False, show_progress=False, conversion_tasks=[], merge_adapter_weights=False
+    )
     mb_api.methods["export_adapter_weights"].bind([], cpu=False, show_progress=False)
     mb_api.methods["get_conversion_tasks"].bind([])
     mbridge_api.methods["export_weights"].bind([])
@@ -106,7 +108,13 @@ def _mb_impls(live: Live, tasks: list) -> dict:
         # emitted once per projection as the very same tensor (peft_bridge.py).
         shared_qkv, shared_fc1 = live.a["q_proj"], live.a["gate_proj"]
         for p in PROJ:
-            a = shared_qkv if p in ("q_proj", "k_proj", "v_proj") else shared_fc1 if p in ("gate_proj", "up_proj") else live.a[p]
+            a = (
+                shared_qkv
+                if p in ("q_proj", "k_proj", "v_proj")
+                else shared_fc1
+                if p in ("gate_proj", "up_proj")
+                else live.a[p]
+            )
             parent = "self_attn" if p in PROJ[:4] else "mlp"
             yield f"model.layers.0.{parent}.{p}.lora_A.weight", a
             yield f"model.layers.0.{parent}.{p}.lora_B.weight", live.b[p]
@@ -131,9 +139,13 @@ def test_megatron_bridge_adapter_dispatch(mb_api):
     out = dict(adapter.export_adapter(["model"]))
     assert len(out) == 14 and all(k.startswith("base_model.model.model.layers.0.") for k in out)
     base = dict(adapter.export_base(["model"]))
-    assert set(base) == {"model.layers.0.input_layernorm.weight"} | {f"model.layers.0.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}.weight" for p in PROJ}
+    assert set(base) == {"model.layers.0.input_layernorm.weight"} | {
+        f"model.layers.0.{'self_attn' if p in PROJ[:4] else 'mlp'}.{p}.weight" for p in PROJ
+    }
     merged = dict(adapter.export_merged(["model"]))
-    torch.testing.assert_close(merged["model.layers.0.self_attn.o_proj.weight"], live.w["o_proj"] + 2.0 * live.b["o_proj"] @ live.a["o_proj"])
+    torch.testing.assert_close(
+        merged["model.layers.0.self_attn.o_proj.weight"], live.w["o_proj"] + 2.0 * live.b["o_proj"] @ live.a["o_proj"]
+    )
 
     called = [name for name, _ in calls]
     assert set(called) == B.REQUIRED_METHODS["megatron_bridge"]
@@ -151,7 +163,10 @@ def test_exports_are_owned_copies(mb_api, tmp_path):
     adapter = B.MegatronBridgeAdapter(spec_object(mb_api, _mb_impls(live, [object()]), []))
     out = dict(adapter.export_adapter(["m"]))
     base = dict(adapter.export_base(["m"]))
-    before_a, before_norm = out["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].clone(), base["model.layers.0.input_layernorm.weight"].clone()
+    before_a, before_norm = (
+        out["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].clone(),
+        base["model.layers.0.input_layernorm.weight"].clone(),
+    )
     with torch.no_grad():  # the optimizer step
         live.a["q_proj"].add_(1.0)
         live.norm.add_(1.0)
@@ -199,7 +214,10 @@ def test_wrong_pairing_fails_at_construction(mb_api, mbridge_api):
         mb_obj.export_weights([])  # what the seed did
     with pytest.raises(ConfigError, match=r"backend.bridge=mbridge .* lacks export_weights"):
         B.MBridgeAdapter(mb_obj)
-    with pytest.raises(ConfigError, match=r"backend.bridge=megatron_bridge .* lacks export_adapter_weights, export_hf_weights, get_conversion_tasks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"backend.bridge=megatron_bridge .* lacks export_adapter_weights, export_hf_weights, get_conversion_tasks",
+    ):
         B.MegatronBridgeAdapter(spec_object(mbridge_api, {}, []))
 
 

@@ -24,7 +24,15 @@ def src(request) -> Sources:
 
 
 def lora(**kw):
-    base = {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "type": "lora", "init_A": "kaiming", "merge": False}
+    base = {
+        "rank": 8,
+        "alpha": 16,
+        "dropout": 0.05,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "type": "lora",
+        "init_A": "kaiming",
+        "merge": False,
+    }
     return {**base, **kw}
 
 
@@ -53,7 +61,9 @@ def test_peft_spec_lora():
 
 
 def test_peft_spec_canonical_from_dataclass():
-    spec = C.peft_spec(LoraConfig(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora"))
+    spec = C.peft_spec(
+        LoraConfig(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora")
+    )
     assert spec.class_name == "CanonicalLoRA"
     assert spec.kwargs["target_modules"] == ["linear_q", "linear_v", "linear_fc1_up", "linear_fc1_gate"]
     assert spec.hf_target_modules == ("q_proj", "v_proj", "gate_proj", "up_proj")
@@ -61,7 +71,10 @@ def test_peft_spec_canonical_from_dataclass():
 
 @pytest.mark.parametrize("lora_type", ["lora", "canonical_lora"])
 def test_peft_kwargs_are_real_fields(src, lora_type):
-    path, cls = {"lora": (src.mb / "peft/lora.py", "LoRA"), "canonical_lora": (src.mb / "peft/canonical_lora.py", "CanonicalLoRA")}[lora_type]
+    path, cls = {
+        "lora": (src.mb / "peft/lora.py", "LoRA"),
+        "canonical_lora": (src.mb / "peft/canonical_lora.py", "CanonicalLoRA"),
+    }[lora_type]
     spec = C.peft_spec(lora(type=lora_type, target_modules=["all-linear"]))
     assert spec.class_name == cls
     fields = src.api(path, cls).fields
@@ -73,7 +86,11 @@ def test_init_methods_are_those_megatron_bridge_accepts(src):
     """ParallelLinearAdapter._get_init_fn raises NotImplementedError for anything else."""
     tree = ast.parse((src.mb / "peft/utils.py").read_text())
     (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_get_init_fn"]
-    accepted = {c.comparators[0].value for c in ast.walk(fn) if isinstance(c, ast.Compare) and isinstance(c.comparators[0], ast.Constant)}
+    accepted = {
+        c.comparators[0].value
+        for c in ast.walk(fn)
+        if isinstance(c, ast.Compare) and isinstance(c.comparators[0], ast.Constant)
+    }
     assert set(C.INIT_METHODS) | {"zero"} <= accepted
 
 
@@ -119,7 +136,12 @@ def provider_fields(src) -> set[str]:
 
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_provider_settings_are_real_fields(src, provider_fields, impl):
-    plan = C.provider_plan(backend(transformer_impl=impl, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "bfloat16")
+    plan = C.provider_plan(
+        backend(
+            transformer_impl=impl, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        ),
+        "bfloat16",
+    )
     assert set(plan.settings) <= provider_fields, set(plan.settings) - provider_fields
     assert "transformer_layer_spec" in provider_fields and "attention_backend" in provider_fields
     if impl == "local":
@@ -138,7 +160,15 @@ def test_provider_settings_are_real_fields(src, provider_fields, impl):
 def test_provider_plan_values():
     import torch
 
-    plan = C.provider_plan(backend(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine", override_transformer_config={"apply_rope_fusion": True}), "bfloat16")
+    plan = C.provider_plan(
+        backend(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            transformer_impl="transformer_engine",
+            override_transformer_config={"apply_rope_fusion": True},
+        ),
+        "bfloat16",
+    )
     s = plan.settings
     assert (s["tensor_model_parallel_size"], s["pipeline_model_parallel_size"], s["sequence_parallel"]) == (2, 1, True)
     assert s["bf16"] and not s["fp16"] and s["params_dtype"] is torch.bfloat16
@@ -149,22 +179,40 @@ def test_provider_plan_values():
 
 def _provider_from_real_fields(fields: set[str]):
     """An object with exactly GPTModelProvider's fields (from its source) and a finalize()."""
-    cls = dataclasses.make_dataclass("GPTModelProvider", [(f, object, dataclasses.field(default=None)) for f in sorted(fields) if not f.startswith("_")], namespace={"finalize": lambda self: self.__dict__.setdefault("finalized", True)})
+    cls = dataclasses.make_dataclass(
+        "GPTModelProvider",
+        [(f, object, dataclasses.field(default=None)) for f in sorted(fields) if not f.startswith("_")],
+        namespace={"finalize": lambda self: self.__dict__.setdefault("finalized", True)},
+    )
     return cls()
 
 
 def test_apply_provider_plan(provider_fields):
     provider = _provider_from_real_fields(provider_fields)
-    plan = C.provider_plan(backend(transformer_impl="transformer_engine", override_transformer_config={"sequence_parallel": False, "apply_rope_fusion": True}), "bfloat16")
+    plan = C.provider_plan(
+        backend(
+            transformer_impl="transformer_engine",
+            override_transformer_config={"sequence_parallel": False, "apply_rope_fusion": True},
+        ),
+        "bfloat16",
+    )
     C.apply_provider_plan(provider, plan)
     assert provider.finalized and provider.apply_rope_fusion is True and provider.bf16 is True
-    bad = C.provider_plan(backend(transformer_impl="transformer_engine", override_transformer_config={"aply_rope_fusion": True}), "bfloat16")
-    with pytest.raises(ConfigError, match=r"backend\.override_transformer_config\.aply_rope_fusion is not a field of GPTModelProvider"):
+    bad = C.provider_plan(
+        backend(transformer_impl="transformer_engine", override_transformer_config={"aply_rope_fusion": True}),
+        "bfloat16",
+    )
+    with pytest.raises(
+        ConfigError, match=r"backend\.override_transformer_config\.aply_rope_fusion is not a field of GPTModelProvider"
+    ):
         C.apply_provider_plan(_provider_from_real_fields(provider_fields), bad)
 
 
 def test_override_keys_overlapping_backend_keys_rejected():
-    with pytest.raises(ConfigError, match=r"backend\.override_transformer_config\.tensor_model_parallel_size duplicates backend\.tensor_model_parallel_size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"backend\.override_transformer_config\.tensor_model_parallel_size duplicates backend\.tensor_model_parallel_size",
+    ):
         C.check_megatron(lora(), backend(override_transformer_config={"tensor_model_parallel_size": 2}))
 
 
@@ -177,32 +225,117 @@ MODEL = {"num_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, 
 
 def test_defaults_and_real_shapes_pass():
     C.check_megatron(LoraConfig(), MegatronBackendConfig(), **MODEL, world_size=1)
-    C.check_megatron(lora(rank=64), backend(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine"), **MODEL, world_size=4)
-    C.check_megatron(lora(), backend(pipeline_model_parallel_size=4, recompute_granularity="full", recompute_method="block", recompute_num_layers=6), **MODEL, world_size=8)
+    C.check_megatron(
+        lora(rank=64),
+        backend(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine"),
+        **MODEL,
+        world_size=4,
+    )
+    C.check_megatron(
+        lora(),
+        backend(
+            pipeline_model_parallel_size=4,
+            recompute_granularity="full",
+            recompute_method="block",
+            recompute_num_layers=6,
+        ),
+        **MODEL,
+        world_size=8,
+    )
     C.check_megatron(lora(), backend(recompute_granularity="selective"), **MODEL)
 
 
 @pytest.mark.parametrize(
     "lora_kw, backend_kw, model_kw, message",
     [
-        ({"rank": 6}, {"tensor_model_parallel_size": 4}, {}, r"model\.lora\.rank=6 must be divisible by backend\.tensor_model_parallel_size=4"),
-        ({}, {"sequence_parallel": True}, {}, r"backend\.sequence_parallel=true needs backend\.tensor_model_parallel_size > 1"),
-        ({}, {"sequence_parallel": True, "tensor_model_parallel_size": 2}, {}, r"backend\.sequence_parallel=true needs backend\.transformer_impl=transformer_engine"),
-        ({}, {"bridge": "mbridge", "transformer_impl": "transformer_engine"}, {}, r"backend\.bridge=mbridge cannot export LoRA adapters; set model\.lora\.merge=true"),
-        ({"merge": True}, {"bridge": "mbridge"}, {}, r"backend\.bridge=mbridge maps TransformerEngine layer names only"),
+        (
+            {"rank": 6},
+            {"tensor_model_parallel_size": 4},
+            {},
+            r"model\.lora\.rank=6 must be divisible by backend\.tensor_model_parallel_size=4",
+        ),
+        (
+            {},
+            {"sequence_parallel": True},
+            {},
+            r"backend\.sequence_parallel=true needs backend\.tensor_model_parallel_size > 1",
+        ),
+        (
+            {},
+            {"sequence_parallel": True, "tensor_model_parallel_size": 2},
+            {},
+            r"backend\.sequence_parallel=true needs backend\.transformer_impl=transformer_engine",
+        ),
+        (
+            {},
+            {"bridge": "mbridge", "transformer_impl": "transformer_engine"},
+            {},
+            r"backend\.bridge=mbridge cannot export LoRA adapters; set model\.lora\.merge=true",
+        ),
+        (
+            {"merge": True},
+            {"bridge": "mbridge"},
+            {},
+            r"backend\.bridge=mbridge maps TransformerEngine layer names only",
+        ),
         ({}, {"bridge": "vanilla"}, {}, r"backend\.bridge='vanilla' is not valid"),
         ({}, {"transformer_impl": "te"}, {}, r"backend\.transformer_impl='te' is not valid"),
         ({}, {"tensor_model_parallel_size": 0}, {}, r"backend\.tensor_model_parallel_size=0 must be an integer >= 1"),
-        ({"rank": 8}, {"tensor_model_parallel_size": 4}, {"num_attention_heads": 14}, r"does not divide the model's 14 attention heads"),
-        ({"rank": 8}, {"tensor_model_parallel_size": 4}, {"num_attention_heads": 16, "num_key_value_heads": 2}, r"does not divide the model's 2 key/value heads"),
-        ({}, {"pipeline_model_parallel_size": 5}, {"num_layers": 24}, r"backend\.pipeline_model_parallel_size=5 does not divide the model's 24 layers"),
-        ({}, {"tensor_model_parallel_size": 2}, {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101}, r"vocab_size=101"),
-        ({}, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, {"world_size": 6}, r"= 4 must divide the 6 devices"),
+        (
+            {"rank": 8},
+            {"tensor_model_parallel_size": 4},
+            {"num_attention_heads": 14},
+            r"does not divide the model's 14 attention heads",
+        ),
+        (
+            {"rank": 8},
+            {"tensor_model_parallel_size": 4},
+            {"num_attention_heads": 16, "num_key_value_heads": 2},
+            r"does not divide the model's 2 key/value heads",
+        ),
+        (
+            {},
+            {"pipeline_model_parallel_size": 5},
+            {"num_layers": 24},
+            r"backend\.pipeline_model_parallel_size=5 does not divide the model's 24 layers",
+        ),
+        (
+            {},
+            {"tensor_model_parallel_size": 2},
+            {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101},
+            r"vocab_size=101",
+        ),
+        (
+            {},
+            {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            {"world_size": 6},
+            r"= 4 must divide the 6 devices",
+        ),
         ({}, {"recompute_granularity": "partial"}, {}, r"backend\.recompute_granularity='partial' is not valid"),
-        ({}, {"recompute_granularity": "full"}, {}, r"backend\.recompute_granularity=full needs backend\.recompute_method"),
-        ({}, {"recompute_granularity": "full", "recompute_method": "uniform"}, {}, r"needs backend\.recompute_num_layers >= 1"),
-        ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 30}, {"num_layers": 24}, r"recompute_num_layers=30 exceeds the 24 layers"),
-        ({}, {"recompute_granularity": "selective", "recompute_num_layers": 2}, {}, r"selective takes no backend\.recompute_num_layers"),
+        (
+            {},
+            {"recompute_granularity": "full"},
+            {},
+            r"backend\.recompute_granularity=full needs backend\.recompute_method",
+        ),
+        (
+            {},
+            {"recompute_granularity": "full", "recompute_method": "uniform"},
+            {},
+            r"needs backend\.recompute_num_layers >= 1",
+        ),
+        (
+            {},
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 30},
+            {"num_layers": 24},
+            r"recompute_num_layers=30 exceeds the 24 layers",
+        ),
+        (
+            {},
+            {"recompute_granularity": "selective", "recompute_num_layers": 2},
+            {},
+            r"selective takes no backend\.recompute_num_layers",
+        ),
         ({}, {"recompute_method": "uniform"}, {}, r"need backend\.recompute_granularity=full"),
         ({}, {"override_transformer_config": ["x"]}, {}, r"backend\.override_transformer_config must be a mapping"),
     ],
@@ -218,8 +351,14 @@ def test_recompute_rules_match_megatron_core(src):
     text = (src.mc / "transformer/transformer_config.py").read_text()
     assert 'recompute_method must be "block" or "uniform"' in text
     assert "recompute_num_layers must be None" in text
-    assert "Cannot use sequence parallelism without tensor parallelism" in (src.mc / "model_parallel_config.py").read_text()
-    assert 'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"' in (src.mc / "transformer/torch_norm.py").read_text()
+    assert (
+        "Cannot use sequence parallelism without tensor parallelism"
+        in (src.mc / "model_parallel_config.py").read_text()
+    )
+    assert (
+        'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"'
+        in (src.mc / "transformer/torch_norm.py").read_text()
+    )
 
 
 def test_require_cuda_on_cpu():

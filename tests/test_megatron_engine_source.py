@@ -44,11 +44,15 @@ def _defines(src: Sources, module: Path, name: str, dotted: str) -> bool:
             return True
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name for a in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+            (a.asname or a.name.split(".")[0]) == name for a in node.names
+        ):
             return True
         if isinstance(node, ast.Try):  # guarded imports
             for sub in ast.walk(node):
-                if isinstance(sub, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in sub.names):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)) and any(
+                    (a.asname or a.name) == name for a in sub.names
+                ):
                     return True
     # a submodule of a package
     return _module_file(src, f"{dotted}.{name}") is not None
@@ -107,19 +111,40 @@ def test_engine_calls_use_real_keywords(src):
     mc, mb = src.mc, src.mb
     sigs: dict[str, list[inspect.Signature]] = {
         "OptimizerConfig": [_fields_signature(src, mc / "optimizer/optimizer_config.py", "OptimizerConfig")],
-        "DistributedDataParallelConfig": [_fields_signature(src, mc / "distributed/distributed_data_parallel_config.py", "DistributedDataParallelConfig")],
+        "DistributedDataParallelConfig": [
+            _fields_signature(
+                src, mc / "distributed/distributed_data_parallel_config.py", "DistributedDataParallelConfig"
+            )
+        ],
         "get_megatron_optimizer": [_function(mc / "optimizer/__init__.py", "get_megatron_optimizer")],
         "initialize_model_parallel": [_function(mc / "parallel_state.py", "initialize_model_parallel")],
-        "model_parallel_cuda_manual_seed": [_function(mc / "tensor_parallel/random.py", "model_parallel_cuda_manual_seed")],
-        "vocab_parallel_cross_entropy": [_function(mc / "tensor_parallel/cross_entropy.py", "vocab_parallel_cross_entropy")],
-        "gather_from_tensor_model_parallel_region": [_function(mc / "tensor_parallel/mappings.py", "gather_from_tensor_model_parallel_region")],
+        "model_parallel_cuda_manual_seed": [
+            _function(mc / "tensor_parallel/random.py", "model_parallel_cuda_manual_seed")
+        ],
+        "vocab_parallel_cross_entropy": [
+            _function(mc / "tensor_parallel/cross_entropy.py", "vocab_parallel_cross_entropy")
+        ],
+        "gather_from_tensor_model_parallel_region": [
+            _function(mc / "tensor_parallel/mappings.py", "gather_from_tensor_model_parallel_region")
+        ],
         # the schedule get_forward_backward_func picks: no pipelining, or 1F1B
-        "fb": [_function(mc / "pipeline_parallel/schedules.py", n) for n in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")],
+        "fb": [
+            _function(mc / "pipeline_parallel/schedules.py", n)
+            for n in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
+        ],
         "model": [_function(mc / "models/gpt/gpt_model.py", "forward", "GPTModel")],
-        "provide_distributed_model": [_function(mb / "models/model_provider.py", "provide_distributed_model", "ModelProviderMixin")],
-        "register_pre_wrap_hook": [_function(mb / "models/model_provider.py", "register_pre_wrap_hook", "ModelProviderMixin")],
-        "to_megatron_provider": [src.api(mb / "models/conversion/auto_bridge.py", "AutoBridge").methods["to_megatron_provider"]],
-        "from_hf_pretrained": [src.api(mb / "models/conversion/auto_bridge.py", "AutoBridge").methods["from_hf_pretrained"]],
+        "provide_distributed_model": [
+            _function(mb / "models/model_provider.py", "provide_distributed_model", "ModelProviderMixin")
+        ],
+        "register_pre_wrap_hook": [
+            _function(mb / "models/model_provider.py", "register_pre_wrap_hook", "ModelProviderMixin")
+        ],
+        "to_megatron_provider": [
+            src.api(mb / "models/conversion/auto_bridge.py", "AutoBridge").methods["to_megatron_provider"]
+        ],
+        "from_hf_pretrained": [
+            src.api(mb / "models/conversion/auto_bridge.py", "AutoBridge").methods["from_hf_pretrained"]
+        ],
         "peft": [_function(mb / "peft/base.py", "__call__", "PEFT")],
         "disable_adapter": [_function(mb / "peft/base.py", "disable_adapter", "PEFT")],
         "set_params_to_save": [_function(mb / "peft/base.py", "set_params_to_save", "PEFT")],
@@ -144,7 +169,11 @@ def test_engine_calls_use_real_keywords(src):
 def test_parallel_state_and_optimizer_members_exist(src):
     """`self.ps.X` and the optimizer / DDP methods the engine uses are real."""
     engine = ast.parse((PKG / "engine.py").read_text())
-    ps_names = {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "ps"}
+    ps_names = {
+        n.attr
+        for n in ast.walk(engine)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "ps"
+    }
     ps_tree = ast.parse((src.mc / "parallel_state.py").read_text())
     defined = {n.name for n in ps_tree.body if isinstance(n, ast.FunctionDef)}
     assert ps_names and ps_names <= defined, ps_names - defined

@@ -80,7 +80,9 @@ def test_qkv_interleave_is_per_group():
 def test_qkv_wrong_rows_rejected():
     shape = SHAPES[0]
     with pytest.raises(ValueError, match="rows"):
-        N.merge_qkv(torch.zeros(shape.q_size + 1, 3), torch.zeros(shape.kv_size, 3), torch.zeros(shape.kv_size, 3), shape)
+        N.merge_qkv(
+            torch.zeros(shape.q_size + 1, 3), torch.zeros(shape.kv_size, 3), torch.zeros(shape.kv_size, 3), shape
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -99,7 +101,11 @@ def test_gate_up_round_trip(tp):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.num_attention_heads}g{s.num_query_groups}")
 def test_qkv_matches_megatron_bridge_source(src, shape):
     path = src.mb / "models/conversion/param_mapping.py"
-    real = load_functions(path, ["merge_qkv_weights", "split_qkv_weights", "merge_qkv_biases", "split_qkv_biases"], {"torch": torch, "Optional": __import__("typing").Optional, "Tuple": tuple, "TransformerConfig": object})
+    real = load_functions(
+        path,
+        ["merge_qkv_weights", "split_qkv_weights", "merge_qkv_biases", "split_qkv_biases"],
+        {"torch": torch, "Optional": __import__("typing").Optional, "Tuple": tuple, "TransformerConfig": object},
+    )
     hidden = 24
     cfg = _config(shape, hidden)
     g = _gen(3)
@@ -110,8 +116,12 @@ def test_qkv_matches_megatron_bridge_source(src, shape):
     fused = real["merge_qkv_weights"](cfg, q, k, v)
     for ours, theirs in zip(N.split_qkv(fused, shape), real["split_qkv_weights"](cfg, fused)):
         assert torch.equal(ours, theirs)
-    assert torch.equal(N.merge_qkv(q[:, 0], k[:, 0], v[:, 0], shape), real["merge_qkv_biases"](cfg, q[:, 0], k[:, 0], v[:, 0]))
-    for ours, theirs in zip(N.split_qkv(fused[:, 0].contiguous(), shape), real["split_qkv_biases"](cfg, fused[:, 0].contiguous())):
+    assert torch.equal(
+        N.merge_qkv(q[:, 0], k[:, 0], v[:, 0], shape), real["merge_qkv_biases"](cfg, q[:, 0], k[:, 0], v[:, 0])
+    )
+    for ours, theirs in zip(
+        N.split_qkv(fused[:, 0].contiguous(), shape), real["split_qkv_biases"](cfg, fused[:, 0].contiguous())
+    ):
         assert torch.equal(ours, theirs)
     # LoRA B of the fused linear_qkv: trailing dim is the rank (feature_dim in the bridge).
     lora_b = torch.randn(shape.qkv_size, 6, generator=g)
@@ -123,7 +133,12 @@ def test_qkv_matches_megatron_bridge_source(src, shape):
 def test_fc1_lora_split_matches_megatron_bridge_source(src, tp):
     path = src.mb / "models/conversion/peft_bridge.py"
     ps = types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: tp)
-    split = load_functions(path, ["_split_fused_fc1_linear_out_weight"], {"torch": torch, "parallel_state": ps}, class_name="MegatronPeftBridge")["_split_fused_fc1_linear_out_weight"]
+    split = load_functions(
+        path,
+        ["_split_fused_fc1_linear_out_weight"],
+        {"torch": torch, "parallel_state": ps},
+        class_name="MegatronPeftBridge",
+    )["_split_fused_fc1_linear_out_weight"]
     b = torch.randn(2 * 24, 4, generator=_gen(4))
     theirs = split(None, b, is_expert=False)
     ours = N.split_gate_up(b, tp)
@@ -140,9 +155,15 @@ def _qwen2_registry(src: Sources) -> dict[str, tuple[str, ...]]:
     tree = ast.parse((src.mb / "models/qwen/qwen2_bridge.py").read_text())
     out: dict[str, tuple[str, ...]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "param_mappings" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "param_mappings" for t in node.targets
+        ):
             out.update({k: (v,) for k, v in ast.literal_eval(node.value).items()})
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("QKVMapping", "GatedMLPMapping"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("QKVMapping", "GatedMLPMapping")
+        ):
             kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
             parts = ("q", "k", "v") if node.func.id == "QKVMapping" else ("gate", "up")
             out[kw["megatron_param"]] = tuple(kw[p] for p in parts)
@@ -215,7 +236,9 @@ def test_unknown_names_rejected():
 
 def test_target_defaults_are_megatron_bridge_defaults(src):
     assert tuple(field_default(src.mb / "peft/lora.py", "LoRA", "target_modules")) == N.FUSED_TARGETS
-    assert set(field_default(src.mb / "peft/canonical_lora.py", "CanonicalLoRA", "target_modules")) == set(N.CANONICAL_TARGETS)
+    assert set(field_default(src.mb / "peft/canonical_lora.py", "CanonicalLoRA", "target_modules")) == set(
+        N.CANONICAL_TARGETS
+    )
 
 
 @pytest.mark.parametrize(
@@ -226,10 +249,22 @@ def test_target_defaults_are_megatron_bridge_defaults(src):
         (list(N.FUSED_TARGETS), "lora", N.FUSED_TARGETS, N.HF_PROJECTIONS, ()),
         (["q_proj", "v_proj"], "lora", ("linear_qkv",), ("q_proj", "k_proj", "v_proj"), ("k_proj",)),
         (["gate_proj"], "lora", ("linear_fc1",), ("gate_proj", "up_proj"), ("up_proj",)),
-        (["linear_q", "linear_fc1_up"], "lora", ("linear_qkv", "linear_fc1"), ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("k_proj", "v_proj", "gate_proj")),
+        (
+            ["linear_q", "linear_fc1_up"],
+            "lora",
+            ("linear_qkv", "linear_fc1"),
+            ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+            ("k_proj", "v_proj", "gate_proj"),
+        ),
         (["all-linear"], "canonical_lora", N.CANONICAL_TARGETS, N.HF_PROJECTIONS, ()),
         (["q_proj", "v_proj"], "canonical_lora", ("linear_q", "linear_v"), ("q_proj", "v_proj"), ()),
-        (["linear_qkv", "linear_fc1"], "canonical_lora", ("linear_q", "linear_k", "linear_v", "linear_fc1_up", "linear_fc1_gate"), ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ()),
+        (
+            ["linear_qkv", "linear_fc1"],
+            "canonical_lora",
+            ("linear_q", "linear_k", "linear_v", "linear_fc1_up", "linear_fc1_gate"),
+            ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+            (),
+        ),
         (["o_proj", "down_proj", "o_proj"], "lora", ("linear_proj", "linear_fc2"), ("o_proj", "down_proj"), ()),
     ],
 )
@@ -241,7 +276,9 @@ def test_resolve_targets(given, lora_type, megatron, hf, widened):
         assert not any(m in ("linear_qkv", "linear_fc1") for m in t.megatron)
 
 
-@pytest.mark.parametrize("bad", ["lm_head", "embed_tokens", "model.embed_tokens", "qkv_proj", "self_attn.q_proj", "*.linear_qkv", "mlp"])
+@pytest.mark.parametrize(
+    "bad", ["lm_head", "embed_tokens", "model.embed_tokens", "qkv_proj", "self_attn.q_proj", "*.linear_qkv", "mlp"]
+)
 def test_unmappable_targets_rejected(bad):
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules") as e:
         N.resolve_lora_targets(["q_proj", bad])
@@ -306,7 +343,10 @@ def _random_lora_layer(layer: int, tp: int, gen: torch.Generator, canonical: boo
     for module in N.FUSED_TARGETS:
         prefix = f"module.decoder.layers.{layer}.{PARENT[module]}.{module}.adapter"
         if canonical and module in ("linear_qkv", "linear_fc1"):
-            subs = {"linear_qkv": [("adapter_q", SHAPE.q_size), ("adapter_k", SHAPE.kv_size), ("adapter_v", SHAPE.kv_size)], "linear_fc1": [("adapter_gate", FFN), ("adapter_up", FFN)]}[module]
+            subs = {
+                "linear_qkv": [("adapter_q", SHAPE.q_size), ("adapter_k", SHAPE.kv_size), ("adapter_v", SHAPE.kv_size)],
+                "linear_fc1": [("adapter_gate", FFN), ("adapter_up", FFN)],
+            }[module]
             w_shards = list(torch.chunk(base[module], tp, 0))
             deltas = {}
             for sub, out in subs:
@@ -357,7 +397,10 @@ def test_split_lora_merged_weight_equality(tp, canonical):
             assert a.shape == (RANK, expected[f"base:{stem}.weight"].shape[1])
     if not canonical:
         # One fused A serves q, k and v (and gate, up): the same values, per projection.
-        assert torch.equal(peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], peft["base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"])
+        assert torch.equal(
+            peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"],
+            peft["base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"],
+        )
 
 
 def test_fc1_tp_ordering_matters():
@@ -375,7 +418,9 @@ def test_megatron_lora_names_validated():
     with pytest.raises(SyncError, match="not a Megatron LoRA parameter"):
         N.megatron_lora_to_peft({"decoder.layers.0.self_attention.linear_qkv.weight": [torch.zeros(1)]}, SHAPE)
     with pytest.raises(SyncError, match="both linear_in and linear_out"):
-        N.megatron_lora_to_peft({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": [torch.zeros(4, 48)]}, SHAPE)
+        N.megatron_lora_to_peft(
+            {"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": [torch.zeros(4, 48)]}, SHAPE
+        )
 
 
 def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
@@ -411,7 +456,16 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
             mc[f"decoder.layers.{layer}.{PARENT[m]}.{m}.weight"] = _megatron_local_merge(m, w, a, b, ALPHA / RANK)
         merged_hf.update(N.megatron_to_hf_state(mc, shape, tp_size=tp))
     tensors = N.megatron_lora_to_peft(shards_all, shape)
-    cfg = peft_adapter_config({"rank": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": ["all-linear"], "type": "lora", "init_A": "xavier"})
+    cfg = peft_adapter_config(
+        {
+            "rank": RANK,
+            "alpha": ALPHA,
+            "dropout": 0.0,
+            "target_modules": ["all-linear"],
+            "type": "lora",
+            "init_A": "xavier",
+        }
+    )
     folder = tmp_path / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
@@ -441,7 +495,12 @@ def _bridge_adapter_names(src: Sources, layers: int) -> list[str]:
     own `_make_lora_param_name` and suffix table over Qwen2Bridge's HF names."""
     path = src.mb / "models/conversion/peft_bridge.py"
     table = literal(path, "MEGATRON_TO_HF_LORA_SUFFIX")
-    make = load_functions(path, ["_make_lora_param_name"], {"MEGATRON_TO_HF_LORA_SUFFIX": table, "Optional": __import__("typing").Optional}, class_name="MegatronPeftBridge")["_make_lora_param_name"]
+    make = load_functions(
+        path,
+        ["_make_lora_param_name"],
+        {"MEGATRON_TO_HF_LORA_SUFFIX": table, "Optional": __import__("typing").Optional},
+        class_name="MegatronPeftBridge",
+    )["_make_lora_param_name"]
     registry = _qwen2_registry(src)
     out = []
     for layer in range(layers):
@@ -461,7 +520,9 @@ def test_normalize_adapter_names_from_bridge_rules(src):
     t = torch.zeros(1)
     out = dict(N.normalize_adapter_names((n, t) for n in raw))
     assert len(out) == 28
-    assert all(k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in out)
+    assert all(
+        k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in out
+    )
     assert {N.lora_module_of(k) for k in out} == set(N.HF_PROJECTIONS)
     # idempotent: already-prefixed names pass unchanged
     assert list(dict(N.normalize_adapter_names(out.items()))) == list(out)
@@ -498,7 +559,19 @@ def _base_layer_name(hf_name: str) -> str:
 def test_normalize_base_names():
     model = _tiny_qwen2(tie=True)
     plain = [k for k in model.state_dict() if k != "lm_head.weight"]
-    wrapped = {f"model.layers.{i}.{p}.weight" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    wrapped = {
+        f"model.layers.{i}.{p}.weight"
+        for i in range(2)
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     exported = [_base_layer_name(k) if k in wrapped else k for k in plain]
     assert "model.layers.0.self_attn.q_proj.base_layer.weight" in exported
     assert "model.layers.0.self_attn.q_proj.bias" in exported  # biases keep plain names
@@ -517,8 +590,19 @@ def test_split_adapter_is_a_valid_rollout_payload():
 
     _, shards, _ = _random_lora_layer(0, 2, _gen(9))
     tensors = {k: v.float() for k, v in N.megatron_lora_to_peft(shards, SHAPE).items()}
-    cfg = peft_adapter_config({"rank": RANK, "alpha": ALPHA, "dropout": 0.0, "target_modules": ["all-linear"], "type": "lora", "init_A": "xavier"})
+    cfg = peft_adapter_config(
+        {
+            "rank": RANK,
+            "alpha": ALPHA,
+            "dropout": 0.0,
+            "target_modules": ["all-linear"],
+            "type": "lora",
+            "init_A": "xavier",
+        }
+    )
     payload = WeightPayload.adapter(tensors, cfg)
     assert payload.kind is PayloadKind.ADAPTER and len(payload.tensors) == 14
-    base = WeightPayload.base(N.normalize_base_names([("model.layers.0.self_attn.q_proj.base_layer.weight", torch.zeros(2, 2))]))
+    base = WeightPayload.base(
+        N.normalize_base_names([("model.layers.0.self_attn.q_proj.base_layer.weight", torch.zeros(2, 2))])
+    )
     assert [n for n, _ in base.tensors] == ["model.layers.0.self_attn.q_proj.weight"]

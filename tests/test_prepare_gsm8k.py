@@ -19,20 +19,19 @@ needs_shared = pytest.mark.skipif(not (SHARED / "train.jsonl").is_file(), reason
 def run(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def _subset(tmp_path):
     lines = (SHARED / "train.jsonl").read_text().splitlines()
     # the first 15 plus 5 whose answers use thousands separators ("#### 1,080")
-    with_commas = [l for l in lines if "," in json.loads(l)["answer"].split("####")[-1]][:5]
+    with_commas = [line for line in lines if "," in json.loads(line)["answer"].split("####")[-1]][:5]
     chosen = lines[:15] + with_commas
     src = tmp_path / "jsonl"
     src.mkdir()
     (src / "train.jsonl").write_text("\n".join(chosen) + "\n")
     (src / "test.jsonl").write_text("\n".join(lines[15:18]) + "\n")
-    return src, [json.loads(l) for l in chosen]
+    return src, [json.loads(line) for line in chosen]
 
 
 @needs_shared
@@ -50,10 +49,11 @@ def test_prepare_subset_schema_and_ground_truths(tmp_path):
         assert row["data_source"] == "openai/gsm8k"
         assert row["ability"] == "math"
         assert row["prompt"] == [{"role": "user", "content": ex["question"] + " " + INSTRUCTION}]
-        assert row["reward_model"] == {"style": "rule",
-                                       "ground_truth": ex["answer"].split("####")[-1].strip().replace(",", "")}
-        assert row["extra_info"] == {"split": "train", "index": i, "answer": ex["answer"],
-                                     "question": ex["question"]}
+        assert row["reward_model"] == {
+            "style": "rule",
+            "ground_truth": ex["answer"].split("####")[-1].strip().replace(",", ""),
+        }
+        assert row["extra_info"] == {"split": "train", "index": i, "answer": ex["answer"], "question": ex["question"]}
     assert "1080" in [r["reward_model"]["ground_truth"] for r in rows[15:]]
     assert pq.read_table(out / "test.parquet").to_pylist()[0]["extra_info"]["split"] == "test"
 

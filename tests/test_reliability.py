@@ -52,10 +52,16 @@ def cli_env(cache: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "LORARL_CACHE": str(cache), **extra}
 
 
-def grpo(run_dir: Path, cache: Path, *overrides: str, backend: str = "fsdp", env: dict | None = None, timeout: int = 600):
+def grpo(
+    run_dir: Path, cache: Path, *overrides: str, backend: str = "fsdp", env: dict | None = None, timeout: int = 600
+):
     return subprocess.run(
-        cli_cmd(run_dir, *overrides, backend=backend), cwd=ROOT, env=env or cli_env(cache),
-        capture_output=True, text=True, timeout=timeout,
+        cli_cmd(run_dir, *overrides, backend=backend),
+        cwd=ROOT,
+        env=env or cli_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -132,8 +138,13 @@ def test_tensor_parallel_must_split_the_heads(tiny_model_path):
     with composing():
         cfg = compose(
             "grpo",
-            overrides=["+backend=megatron", "backend.tensor_model_parallel_size=8", "trainer.n_gpus_per_node=8",
-                       "actor.ppo_micro_batch_size_per_gpu=8", "trainer.experiment_name=x"],
+            overrides=[
+                "+backend=megatron",
+                "backend.tensor_model_parallel_size=8",
+                "trainer.n_gpus_per_node=8",
+                "actor.ppo_micro_batch_size_per_gpu=8",
+                "trainer.experiment_name=x",
+            ],
         )
     run = to_run_config(cfg)
     hf = AutoConfig.from_pretrained(tiny_model_path)
@@ -181,8 +192,13 @@ def test_model_that_is_not_a_causal_lm(cache, tmp_path, monkeypatch):
 
     from lorarl.errors import ModelError
 
-    BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2, intermediate_size=64,
-               architectures=["BertForMaskedLM"]).save_pretrained(tmp_path / "bert")
+    BertConfig(
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=2,
+        intermediate_size=64,
+        architectures=["BertForMaskedLM"],
+    ).save_pretrained(tmp_path / "bert")
     err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={tmp_path / 'bert'}", "model.builder=null")
     assert isinstance(err, ModelError)
     assert "model.path=" in str(err) and "BertForMaskedLM" in str(err) and "not a causal language model" in str(err)
@@ -217,7 +233,9 @@ def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, 
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():
-        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", "model.lora.target_modules=[vproj]"])
+        cfg = compose(
+            "grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", "model.lora.target_modules=[vproj]"]
+        )
     run = to_run_config(cfg)
     run.model.path = str(tiny_model_path)
     with pytest.raises(ModelError) as err:
@@ -235,10 +253,18 @@ def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
         "from transformers import PretrainedConfig\n"
         "class EvilConfig(PretrainedConfig):\n    model_type = 'lorarl_evil'\n"
     )
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "lorarl_evil", "architectures": ["EvilForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "configuration_evil.EvilConfig"},
-    }))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "lorarl_evil",
+                "architectures": ["EvilForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "configuration_evil.EvilConfig",
+                    "AutoModelForCausalLM": "configuration_evil.EvilConfig",
+                },
+            }
+        )
+    )
     # transformers copies a model's code into its modules cache: keep that inside tmp_path.
     env = cli_env(cache, HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
     out = grpo(tmp_path / "run", cache, f"model.path={model}", "model.builder=null", env=env)
@@ -305,8 +331,15 @@ def test_overlong_prompt_with_truncation_error_names_row_and_length(cache, tmp_p
     rows = arith_rows()
     rows[3]["prompt"] = [{"role": "user", "content": "What is 1 + 2? " * 20}]
     f = write_parquet(rows, tmp_path / "train.parquet")
-    err = trainer_error(cache, monkeypatch, tmp_path / "run", *data_overrides(f), "data.max_prompt_length=40",
-                        "data.filter_overlong_prompts=false", "data.truncation=error")
+    err = trainer_error(
+        cache,
+        monkeypatch,
+        tmp_path / "run",
+        *data_overrides(f),
+        "data.max_prompt_length=40",
+        "data.filter_overlong_prompts=false",
+        "data.truncation=error",
+    )
     msg = str(err)
     assert msg.startswith("row 3:") and "data.max_prompt_length=40" in msg and "data.truncation" in msg
     assert int(re.search(r"prompt has (\d+) tokens", msg).group(1)) > 40
@@ -365,8 +398,15 @@ def test_divergence_stops_with_the_step_and_keeps_the_last_good_checkpoint(cache
     before it is complete. The run also carries secrets in its environment: none may land in
     the run folder or the console."""
     run = tmp_path / "run"
-    out = grpo(run, cache, "actor.optim.lr=1e30", "trainer.save_freq=1", "trainer.total_steps=6",
-               "trainer.logger=[console,jsonl]", env=cli_env(cache, **SECRETS))
+    out = grpo(
+        run,
+        cache,
+        "actor.optim.lr=1e30",
+        "trainer.save_freq=1",
+        "trainer.total_steps=6",
+        "trainer.logger=[console,jsonl]",
+        env=cli_env(cache, **SECRETS),
+    )
     line = error_line(out, "last complete checkpoint")
     assert re.search(r"\b(nan|inf)\b", line), line
     failed = int(re.match(r"error: step (\d+): ", line).group(1))
@@ -429,8 +469,11 @@ class Background:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = run_dir.parent / "stdout.txt", run_dir.parent / "stderr.txt"
         self.proc = subprocess.Popen(
-            cli_cmd(run_dir, *overrides), cwd=ROOT, env=cli_env(cache),
-            stdout=self.stdout_path.open("w"), stderr=self.stderr_path.open("w"),
+            cli_cmd(run_dir, *overrides),
+            cwd=ROOT,
+            env=cli_env(cache),
+            stdout=self.stdout_path.open("w"),
+            stderr=self.stderr_path.open("w"),
         )
 
     def wait_for(self, text: str, timeout: float = 400) -> None:
@@ -448,7 +491,9 @@ class Background:
             self.proc.kill()
             pytest.fail(f"the run hung: still alive {timeout} s after the fault")
         self.seconds = time.monotonic() - t0
-        return subprocess.CompletedProcess(self.proc.args, rc, self.stdout_path.read_text(), self.stderr_path.read_text())
+        return subprocess.CompletedProcess(
+            self.proc.args, rc, self.stdout_path.read_text(), self.stderr_path.read_text()
+        )
 
 
 def assert_all_gone(pids, grace: float = 30) -> None:

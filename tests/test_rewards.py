@@ -3,8 +3,7 @@ import sys
 import pytest
 
 from lorarl.errors import ConfigError, DataError
-from lorarl.rewards import compute_score, get_reward_fn
-from lorarl.rewards import arith, gsm8k
+from lorarl.rewards import arith, compute_score, get_reward_fn, gsm8k
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,7 @@ def test_concurrent_builders_share_one_result(tmp_path: Path):
         for _ in range(2)
     ]
     results = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, results):
+    for proc, (_out, err) in zip(procs, results):
         assert proc.returncode == 0, err[-2000:]
     infos = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
     # The second process waited on the lock and reused the first one's model.

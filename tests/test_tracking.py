@@ -14,13 +14,27 @@ from lorarl.tracking import Tracker, read_metrics, redact
 def test_jsonl_rows_and_plots(tmp_path):
     t = Tracker(["jsonl"], tmp_path, "p", "e", {"a": 1})
     for step in range(1, 4):
-        t.log({"reward/mean": step / 10, "actor/kl_loss": 0.01 * step, "sync/seconds": 0.005, "response_length/mean": 3.0,
-               "sync/logprob_diff_max": 1e-6 * step}, step)
+        t.log(
+            {
+                "reward/mean": step / 10,
+                "actor/kl_loss": 0.01 * step,
+                "sync/seconds": 0.005,
+                "response_length/mean": 3.0,
+                "sync/logprob_diff_max": 1e-6 * step,
+            },
+            step,
+        )
     t.finish()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["reward/mean"] == pytest.approx(0.3)
     written = {p.name for p in plot(tmp_path)}
-    assert {"plot_reward.png", "plot_kl.png", "plot_sync_seconds.png", "plot_response_length.png", "plot_sync_parity.png"} <= written
+    assert {
+        "plot_reward.png",
+        "plot_kl.png",
+        "plot_sync_seconds.png",
+        "plot_response_length.png",
+        "plot_sync_parity.png",
+    } <= written
     assert (tmp_path / "plot_reward.png").stat().st_size > 1000
 
 

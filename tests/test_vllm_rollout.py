@@ -69,8 +69,10 @@ def adapter_payload(model) -> WeightPayload:
 def hf_greedy(model, prompts) -> list[list[int]]:
     out = []
     for p in prompts:
-        ids = model.generate(input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=2, pad_token_id=0
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -148,7 +150,10 @@ def test_seeded_sampling_is_reproducible_when_prefill_is_chunked(rollout, tiny_t
     # 48 sequences of ~115 prompt tokens exceed vLLM's CPU budget of 4096 tokens per
     # step, so prefills get chunked: that crashed seeded sampling on CPU before the fix.
     rows = arith.make_rows(6, seed=1, split="train")
-    prompts = [prompt_ids(tiny_tokenizer, [{"role": "user", "content": " ".join([r["prompt"][0]["content"]] * 7)}]) for r in rows]
+    prompts = [
+        prompt_ids(tiny_tokenizer, [{"role": "user", "content": " ".join([r["prompt"][0]["content"]] * 7)}])
+        for r in rows
+    ]
     assert 4096 < 8 * sum(map(len, prompts)) and max(map(len, prompts)) + 4 <= MAX_LEN
     torch.manual_seed(0)
     expected_next = torch.rand(1)
@@ -166,7 +171,10 @@ def test_rank_above_the_engine_limit_is_refused(rollout, tiny_model_path: Path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    big = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"]))
+    big = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"]),
+    )
     before = rollout.num_adapters()
     with pytest.raises(SyncError, match="exceeds the engine's max_lora_rank 8"):
         rollout.apply(adapter_payload(big))
@@ -297,7 +305,9 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
 
     from lorarl.rollout.vllm import lora_name_mapper
 
-    full = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")})
+    full = WeightsMapper(
+        orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")}
+    )
     mapped = lora_name_mapper(full)
     assert mapped.orig_to_new_prefix == {"model.": "language_model.model."}
     assert mapped.orig_to_new_stacked == {}

@@ -69,9 +69,7 @@ def grpo_advantages(
     return adv.to(out_dtype)
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024
-) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
     """log p(label) per position, float32, via logit[label] - logsumexp(logits).
 
     Rows are processed in chunks so a bf16 [B, T, V] never exists as one float32 copy
@@ -114,9 +112,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind in ("k3", "low_var_kl"):
         log_ratio = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
-    raise ConfigError(
-        f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}"
-    )
+    raise ConfigError(f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}")
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -133,9 +129,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Ten
             per_seq = masked_mean(loss_mat, mask, dim=-1)
         has_tokens = mask.bool().any(dim=-1)
         return masked_mean(per_seq, has_tokens)
-    raise ConfigError(
-        f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}"
-    )
+    raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
 
 
 def policy_loss(
@@ -155,9 +149,7 @@ def policy_loss(
     of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ConfigError(
-            f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable"
-        )
+        raise ConfigError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
     log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)

@@ -7,8 +7,8 @@ response token; prompts and padding never enter a loss.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Iterator, Optional
 
 import torch
 
@@ -18,20 +18,27 @@ class TrainBatch:
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
     response_mask: torch.Tensor  # [B, L-1] float
-    advantages: Optional[torch.Tensor] = None  # [B]
-    old_logp: Optional[torch.Tensor] = None  # [B, L-1]
-    ref_logp: Optional[torch.Tensor] = None  # [B, L-1]
+    advantages: torch.Tensor | None = None  # [B]
+    old_logp: torch.Tensor | None = None  # [B, L-1]
+    ref_logp: torch.Tensor | None = None  # [B, L-1]
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, idx: slice | torch.Tensor) -> "TrainBatch":
-        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx]) for f in fields(self)})
+    def select(self, idx: slice | torch.Tensor) -> TrainBatch:
+        return TrainBatch(
+            **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx]) for f in fields(self)}
+        )
 
-    def to(self, device: torch.device) -> "TrainBatch":
-        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device)) for f in fields(self)})
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                for f in fields(self)
+            }
+        )
 
-    def chunks(self, size: int) -> Iterator["TrainBatch"]:
+    def chunks(self, size: int) -> Iterator[TrainBatch]:
         for start in range(0, len(self), size):
             yield self.select(slice(start, start + size))
 
@@ -40,7 +47,7 @@ def build_batch(
     prompts: list[list[int]],
     responses: list[list[int]],
     pad_id: int,
-    advantages: Optional[list[float]] = None,
+    advantages: list[float] | None = None,
 ) -> TrainBatch:
     assert len(prompts) == len(responses), "one response per prompt copy"
     seqs = [p + r for p, r in zip(prompts, responses)]

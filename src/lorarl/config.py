@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -44,7 +44,7 @@ class ModelConfig:
     # HF hub id or local directory.
     path: str = MISSING
     # "tiny_qwen2": build the embedded model at `path` when it is not there yet.
-    builder: Optional[str] = None
+    builder: str | None = None
     # Training dtype of the frozen base; LoRA weights and optimizer state stay float32.
     dtype: str = "bfloat16"
     trust_remote_code: bool = False
@@ -57,10 +57,10 @@ class DataConfig:
     train_files: list[str] = MISSING
     val_files: list[str] = field(default_factory=list)
     # "arith": the files are written by the embedded task generator when missing.
-    generator: Optional[str] = None
+    generator: str | None = None
     generator_size: int = 2000
     train_batch_size: int = 8
-    val_batch_size: Optional[int] = None
+    val_batch_size: int | None = None
     max_prompt_length: int = 512
     max_response_length: int = 512
     filter_overlong_prompts: bool = True
@@ -68,7 +68,7 @@ class DataConfig:
     truncation: str = "error"
     shuffle: bool = True
     # "package.module:function" scoring every sample instead of the data_source registry.
-    reward_fn: Optional[str] = None
+    reward_fn: str | None = None
 
 
 @dataclass
@@ -95,7 +95,7 @@ class RolloutConfig:
     # vLLM sleep mode between rollouts (GPU only).
     free_cache_engine: bool = True
     dtype: str = "auto"
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
     adapter_transport: str = "tmpfs"
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -118,10 +118,10 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     # Dual-clip bound for negative advantages; null disables it.
-    clip_ratio_c: Optional[float] = None
+    clip_ratio_c: float | None = None
     entropy_coeff: float = 0.0
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
@@ -143,7 +143,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     total_epochs: int = 1
     # Overrides total_epochs when set.
-    total_steps: Optional[int] = None
+    total_steps: int | None = None
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = False
@@ -159,13 +159,13 @@ class TrainerConfig:
     # when they disagree by more than the tolerance (null: 1e-3 when both sides compute in
     # float32, 0.15 when either is 16-bit; bf16 on H200 measured 0.03-0.04 at 0.5B).
     check_sync: bool = True
-    check_sync_tolerance: Optional[float] = None
+    check_sync_tolerance: float | None = None
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
     # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
     default_local_dir: str = "checkpoints"
     # auto (newest complete checkpoint, if any) | disable | path to a global_step_N folder.
     resume_mode: str = "auto"
-    max_ckpt_to_keep: Optional[int] = None
+    max_ckpt_to_keep: int | None = None
     progress_bar: bool = True
 
 
@@ -189,9 +189,9 @@ class MegatronBackendConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     # transformer_engine or local (megatron-core's own layers; no TransformerEngine needed).
     transformer_impl: str = "local"
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
@@ -266,7 +266,9 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     if "backend" not in cfg or OmegaConf.is_missing(cfg, "backend"):
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
-    run = RunConfig(**{k: getattr(obj, k) for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend")})
+    run = RunConfig(
+        **{k: getattr(obj, k) for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend")}
+    )
     validate(run)
     return run
 
@@ -293,7 +295,10 @@ def validate(run: RunConfig) -> None:
     vllm_lora_rank(lora.rank)  # raises ConfigError above vLLM's largest rank
     _check(lora.alpha > 0, f"model.lora.alpha={lora.alpha} must be > 0")
     _check(0.0 <= lora.dropout < 1.0, f"model.lora.dropout={lora.dropout} must be in [0, 1)")
-    _check(len(lora.target_modules) > 0, "model.lora.target_modules is empty; list modules such as q_proj,v_proj or all-linear")
+    _check(
+        len(lora.target_modules) > 0,
+        "model.lora.target_modules is empty; list modules such as q_proj,v_proj or all-linear",
+    )
     for name in lora.target_modules:
         leaf = name.split(".")[-1]
         _check(
@@ -308,12 +313,18 @@ def validate(run: RunConfig) -> None:
 
     _one_of("data.truncation", d.truncation, ("error", "left", "right"))
     _check(d.train_batch_size > 0, f"data.train_batch_size={d.train_batch_size} must be > 0")
-    _check(d.max_prompt_length > 0 and d.max_response_length > 0, "data.max_prompt_length and data.max_response_length must be > 0")
+    _check(
+        d.max_prompt_length > 0 and d.max_response_length > 0,
+        "data.max_prompt_length and data.max_response_length must be > 0",
+    )
     _check(d.generator in (None, "arith"), f"data.generator={d.generator!r} is not valid; use null or arith")
 
     _one_of("rollout.name", r.name, ("vllm",))
     _one_of("rollout.adapter_transport", r.adapter_transport, ("tmpfs", "memory"))
-    _check(0.0 < r.gpu_memory_utilization <= 1.0, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
+    _check(
+        0.0 < r.gpu_memory_utilization <= 1.0,
+        f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]",
+    )
     _check(r.temperature >= 0.0, f"rollout.temperature={r.temperature} must be >= 0")
     _check(0.0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p} must be in (0, 1]")
     _check(r.val_kwargs.n >= 1, f"rollout.val_kwargs.n={r.val_kwargs.n} must be >= 1")

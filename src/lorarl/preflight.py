@@ -33,7 +33,9 @@ def load_hf_config(path: str, trust_remote_code: bool):
             "or a hub id such as Qwen/Qwen2.5-0.5B-Instruct"
         )
     if local.is_dir() and not (local / "config.json").is_file():
-        raise ModelError(f"model.path={path!r} has no config.json; point it at a HF model folder (config.json + *.safetensors)")
+        raise ModelError(
+            f"model.path={path!r} has no config.json; point it at a HF model folder (config.json + *.safetensors)"
+        )
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:

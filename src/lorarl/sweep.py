@@ -27,7 +27,7 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
         overrides_file = job / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.load(overrides_file) if overrides_file.exists() else []
         val = [r["val/acc"] for r in metrics if "val/acc" in r]
-        tail = steps[-max(1, len(steps) // 5):] if steps else []
+        tail = steps[-max(1, len(steps) // 5) :] if steps else []
         rows.append(
             {
                 "job": job.name,

@@ -121,9 +121,7 @@ def vllm_lora_rank(rank: int) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise ConfigError(f"model.lora.rank must be an integer, got {rank!r}")
     if rank <= 0 or rank > VLLM_LORA_RANKS[-1]:
-        raise ConfigError(
-            f"model.lora.rank={rank} is outside 1..{VLLM_LORA_RANKS[-1]}, the ranks vLLM can serve"
-        )
+        raise ConfigError(f"model.lora.rank={rank} is outside 1..{VLLM_LORA_RANKS[-1]}, the ranks vLLM can serve")
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 

@@ -7,8 +7,9 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SECRET_KEYS = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
 CONSOLE_KEYS = (
@@ -61,7 +62,9 @@ class Tracker:
         if "wandb" in self.loggers:
             import wandb
 
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.out_dir), reinit="finish_previous")
+            self._wandb = wandb.init(
+                project=project, name=experiment, config=config, dir=str(self.out_dir), reinit="finish_previous"
+            )
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -57,7 +57,9 @@ def prepare_data(run: RunConfig) -> None:
 
         if not d.val_files:
             d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, n_val=max(64, d.generator_size // 10), seed=0)
+        ensure_arith_parquet(
+            d.train_files[0], d.val_files[0], n_train=d.generator_size, n_val=max(64, d.generator_size // 10), seed=0
+        )
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -93,12 +95,16 @@ class GRPOTrainer:
         prepare_data(run)
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
-        check_model_shape(run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads))
+        check_model_shape(
+            run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
+        )
         self.tokenizer = load_tokenizer(run)
         d = run.data
 
         def prompts(files: list[str]):
-            items, dropped = build_prompts(load_rows(files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation)
+            items, dropped = build_prompts(
+                load_rows(files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
+            )
             check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
             return items, dropped
 
@@ -110,7 +116,9 @@ class GRPOTrainer:
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
-        self.ckpt = CheckpointManager(ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep)
+        self.ckpt = CheckpointManager(
+            ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep
+        )
         self.ckpt.clean_partial()
         self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
 
@@ -140,12 +148,18 @@ class GRPOTrainer:
         if t.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)
         last_reward = None
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", disable=not t.progress_bar, dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, desc="grpo", disable=not t.progress_bar, dynamic_ncols=True
+        )
         while self.step < self.total_steps:
             self.step += 1
             try:
                 metrics = self.train_step()
-                if t.test_freq > 0 and self.val_items and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                if (
+                    t.test_freq > 0
+                    and self.val_items
+                    and (self.step % t.test_freq == 0 or self.step == self.total_steps)
+                ):
                     metrics.update(self.validate())
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
                     metrics["timing/save"] = self.save_checkpoint()
@@ -210,7 +224,10 @@ class GRPOTrainer:
         seed = self.run.trainer.seed * 1_000_003 + self.step
         gen = self.group.call_dp(
             "generate",
-            [([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i) for i, shard in enumerate(shards)],
+            [
+                ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
+                for i, shard in enumerate(shards)
+            ],
         )
         t_gen = max(seconds for _, seconds in gen)
 
@@ -278,7 +295,10 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         gen = self.group.call_dp(
             "generate",
-            [([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i) for i, shard in enumerate(shards)],
+            [
+                ([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i)
+                for i, shard in enumerate(shards)
+            ],
         )
         rewards: dict[str, list[list[float]]] = {}
         flexible: dict[str, list[list[float]]] = {}
@@ -345,4 +365,3 @@ def _python_rng(state):
 def _mean_over_workers(results: list[dict]) -> dict:
     keys = results[0].keys()
     return {k: sum(r[k] for r in results) / len(results) for k in keys if isinstance(results[0][k], (int, float))}
-

@@ -100,14 +100,20 @@ class Worker:
 
     # ---- rollout -------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int, seed: int):
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int, seed: int
+    ):
         t0 = time.perf_counter()
-        out = self.rollout.generate(prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+        out = self.rollout.generate(
+            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
         return out, time.perf_counter() - t0
 
     # ---- training ------------------------------------------------------------------------
 
-    def train_step(self, prompts: list[list[int]], responses: list[list[int]], advantages: list[float], step: int) -> dict:
+    def train_step(
+        self, prompts: list[list[int]], responses: list[list[int]], advantages: list[float], step: int
+    ) -> dict:
         """Old and reference log-probs, then the PPO update. Collective over all workers."""
         timing = {}
         pad = self.engine.pad_token_id

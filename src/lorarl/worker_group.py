@@ -69,7 +69,9 @@ class WorkerGroup:
         self.workers = [
             actor_cls.options(
                 **resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i
+                ),
             ).remote(run, i, self.world_size, device, per_worker_threads)
             for i in range(self.world_size)
         ]
@@ -107,8 +109,10 @@ class WorkerGroup:
                 for ref in pending:
                     ray.cancel(ref, force=True)
                 if isinstance(cause, LorarlError):
-                    raise cause
-                raise TrainingError(f"a worker failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from err
+                    raise cause from None
+                raise TrainingError(
+                    f"a worker failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+                ) from err
             except ray.exceptions.RayActorError as err:
                 for ref in pending:
                     ray.cancel(ref, force=True)

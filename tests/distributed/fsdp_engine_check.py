@@ -96,7 +96,10 @@ def main(model_path: str, out: str) -> None:
         save_file({k: v.contiguous() for k, v in after.items()}, str(out_dir / "adapter_after_update.safetensors"))
         save_file({k: v.contiguous() for k, v in base.items()}, str(out_dir / "base.safetensors"))
         save_file({k: v.contiguous() for k, v in merged.items()}, str(out_dir / "merged.safetensors"))
-        save_file({"policy": policy.contiguous(), "reference": reference.contiguous(), "mask": batch.response_mask}, str(out_dir / "logprobs.safetensors"))
+        save_file(
+            {"policy": policy.contiguous(), "reference": reference.contiguous(), "mask": batch.response_mask},
+            str(out_dir / "logprobs.safetensors"),
+        )
         (out_dir / "result.json").write_text(
             json.dumps({"world": world, "metrics": metrics, "timings": timings, "adapter_config": adapter_config})
         )

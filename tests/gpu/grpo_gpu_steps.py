@@ -60,11 +60,31 @@ def build_model(kind: str, cache: Path, device: str) -> Path:
     return shaped_model(cache, SHAPE, dtype="bfloat16", device=device)
 
 
-def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device: str, backend: str, tp: int, merge: bool,
-             cuda_graphs: bool = False):
+def make_run(
+    model_path: Path,
+    world: int,
+    kind: str,
+    n: int,
+    batch: int,
+    device: str,
+    backend: str,
+    tp: int,
+    merge: bool,
+    cuda_graphs: bool = False,
+):
     from lorarl.config import (
-        ActorConfig, AlgorithmConfig, DataConfig, FSDPBackendConfig, LoraConfig, MegatronBackendConfig, ModelConfig,
-        OptimConfig, RolloutConfig, RunConfig, TrainerConfig, validate,
+        ActorConfig,
+        AlgorithmConfig,
+        DataConfig,
+        FSDPBackendConfig,
+        LoraConfig,
+        MegatronBackendConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        RunConfig,
+        TrainerConfig,
+        validate,
     )
 
     tiny = kind == "tiny"
@@ -74,15 +94,36 @@ def make_run(model_path: Path, world: int, kind: str, n: int, batch: int, device
     else:
         engine = FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16")
     run = RunConfig(
-        model=ModelConfig(path=str(model_path), dtype="float32" if tiny else "bfloat16",
-                          enable_gradient_checkpointing=not tiny, lora=LoraConfig(rank=16 if tiny else 64, alpha=32, merge=merge)),
-        data=DataConfig(train_files=["unused"], train_batch_size=batch * dp, max_prompt_length=64, max_response_length=8 if tiny else 128),
-        rollout=RolloutConfig(n=n, temperature=1.0, gpu_memory_utilization=0.3, load_format="auto", layered_summon=not tiny and not merge,
-                              enforce_eager=not cuda_graphs),
-        actor=ActorConfig(optim=OptimConfig(lr=2e-3 if tiny else 1e-4), ppo_mini_batch_size=batch * dp,
-                          ppo_micro_batch_size_per_gpu=batch * n, use_kl_loss=True),
+        model=ModelConfig(
+            path=str(model_path),
+            dtype="float32" if tiny else "bfloat16",
+            enable_gradient_checkpointing=not tiny,
+            lora=LoraConfig(rank=16 if tiny else 64, alpha=32, merge=merge),
+        ),
+        data=DataConfig(
+            train_files=["unused"],
+            train_batch_size=batch * dp,
+            max_prompt_length=64,
+            max_response_length=8 if tiny else 128,
+        ),
+        rollout=RolloutConfig(
+            n=n,
+            temperature=1.0,
+            gpu_memory_utilization=0.3,
+            load_format="auto",
+            layered_summon=not tiny and not merge,
+            enforce_eager=not cuda_graphs,
+        ),
+        actor=ActorConfig(
+            optim=OptimConfig(lr=2e-3 if tiny else 1e-4),
+            ppo_mini_batch_size=batch * dp,
+            ppo_micro_batch_size_per_gpu=batch * n,
+            use_kl_loss=True,
+        ),
         algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device=device, check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25),
+        trainer=TrainerConfig(
+            n_gpus_per_node=world, device=device, check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25
+        ),
         backend=engine,
     )
     validate(run)
@@ -114,12 +155,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
 
+    from bench.common import cache_dir
     from lorarl import algorithms
     from lorarl.data.arith import make_rows
     from lorarl.rewards import get_reward_fn
     from lorarl.worker import Worker
-
-    from bench.common import cache_dir
 
     cache = cache_dir(args.cache)
     if rank == 0:
@@ -128,7 +168,18 @@ def main() -> None:
         model_path, done = model_dir(args.model, cache)
         while not (model_path / done).is_file():
             time.sleep(1)
-    run = make_run(model_path, world, args.model, args.n, args.batch, args.device, args.backend, args.tp, args.merge, args.cuda_graphs)
+    run = make_run(
+        model_path,
+        world,
+        args.model,
+        args.n,
+        args.batch,
+        args.device,
+        args.backend,
+        args.tp,
+        args.merge,
+        args.cuda_graphs,
+    )
     cuda = args.device == "cuda"
     tok = AutoTokenizer.from_pretrained(model_path)
     phase(f"model ready at {model_path}; setting up worker")
@@ -151,9 +202,13 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t_step = time.perf_counter()
-        batch = mine[(step - 1) * args.batch: step * args.batch]
-        prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch]
-        responses, t_gen = worker.generate(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank)
+        batch = mine[(step - 1) * args.batch : step * args.batch]
+        prompts = [
+            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch
+        ]
+        responses, t_gen = worker.generate(
+            prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank
+        )
         if dp_size < world:  # ranks of one model-parallel replica train on one set of samples, as the trainer does
             every = [None] * world
             dist.all_gather_object(every, (dp_rank, responses))
@@ -165,7 +220,9 @@ def main() -> None:
                 r_ids.append(s)
                 groups.append(g)
                 if args.model == "tiny":
-                    rewards.append(arith(tok.decode(s, skip_special_tokens=True), row["reward_model"]["ground_truth"], None))
+                    rewards.append(
+                        arith(tok.decode(s, skip_special_tokens=True), row["reward_model"]["ground_truth"], None)
+                    )
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
@@ -177,14 +234,24 @@ def main() -> None:
         sync = worker.sync()
         t_sync = time.perf_counter() - t_sync0
         tokens = sum(len(r) for r in r_ids)
-        log.append({
-            "step": step, "reward/mean": sum(rewards) / len(rewards), "timing/gen": t_gen, "timing/sleep": t_sleep,
-            "timing/old_logp": train["timing/old_logp"], "timing/ref_logp": train.get("timing/ref_logp", 0.0),
-            "timing/update": train["timing/update"], "timing/sync_wall": t_sync, "timing/step": time.perf_counter() - t_step,
-            "rollout/tokens_per_s": tokens / t_gen, "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "actor/grad_norm": train["actor/grad_norm"], "actor/kl_loss": train["actor/kl_loss"],
-            **sync,
-        })
+        log.append(
+            {
+                "step": step,
+                "reward/mean": sum(rewards) / len(rewards),
+                "timing/gen": t_gen,
+                "timing/sleep": t_sleep,
+                "timing/old_logp": train["timing/old_logp"],
+                "timing/ref_logp": train.get("timing/ref_logp", 0.0),
+                "timing/update": train["timing/update"],
+                "timing/sync_wall": t_sync,
+                "timing/step": time.perf_counter() - t_step,
+                "rollout/tokens_per_s": tokens / t_gen,
+                "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                "actor/grad_norm": train["actor/grad_norm"],
+                "actor/kl_loss": train["actor/kl_loss"],
+                **sync,
+            }
+        )
         assert sync["sync/kind"] == ("base" if args.merge else "adapter"), sync
         assert sync["sync/num_adapters"] == (0 if args.merge else 1), sync
         if rank == 0:
@@ -192,16 +259,22 @@ def main() -> None:
 
     phase("steps done; measuring rollout speed")
     # Rollout speed with and without the adapter, same prompts (greedy, fixed length).
-    prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]]
+    prompts = [
+        tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in mine[:64]
+    ]
     new_tokens = min(128, run.data.max_prompt_length + run.data.max_response_length - max(map(len, prompts)))
     speed = {}
-    for label, lora in ((("merged", False),) if args.merge else (("adapter", True), ("base", False))):
+    for label, lora in (("merged", False),) if args.merge else (("adapter", True), ("base", False)):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
-        outs = worker.rollout._engine().generate([{"prompt_token_ids": p} for p in prompts], params,
-                            lora_request=worker.rollout._lora_request() if lora else None, use_tqdm=False)
+        outs = worker.rollout._engine().generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            lora_request=worker.rollout._lora_request() if lora else None,
+            use_tqdm=False,
+        )
         secs = time.perf_counter() - start
         speed[label] = sum(len(o.outputs[0].token_ids) for o in outs) / secs
     phase(f"rollout tokens/s ({len(prompts)} x {new_tokens} tokens) {speed}")
@@ -211,10 +284,24 @@ def main() -> None:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result = {"backend": args.backend, "tp": args.tp, "merge": args.merge, "cuda_graphs": args.cuda_graphs, "model": args.model, "world": world, "setup_s": setup_s, "first_sync": first, "steps": log,
-                  "rollout_tokens_per_s": speed, "rollout_speed_shape": [len(prompts), new_tokens], "sleep_wake": regression,
-                  "device": torch.cuda.get_device_name() if cuda else "cpu"}
-        (out / f"{run_name(args.backend, args.model, world, args.merge, cuda, args.cuda_graphs)}.json").write_text(json.dumps(result, indent=1))
+        result = {
+            "backend": args.backend,
+            "tp": args.tp,
+            "merge": args.merge,
+            "cuda_graphs": args.cuda_graphs,
+            "model": args.model,
+            "world": world,
+            "setup_s": setup_s,
+            "first_sync": first,
+            "steps": log,
+            "rollout_tokens_per_s": speed,
+            "rollout_speed_shape": [len(prompts), new_tokens],
+            "sleep_wake": regression,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+        }
+        (out / f"{run_name(args.backend, args.model, world, args.merge, cuda, args.cuda_graphs)}.json").write_text(
+            json.dumps(result, indent=1)
+        )
         print("RESULT", json.dumps({"speed": speed, "sleep_wake": regression}), flush=True)
     phase("done")
 

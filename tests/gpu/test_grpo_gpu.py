@@ -58,9 +58,24 @@ def test_grpo_steps_on_gpu(backend, model, world, tp, merge, tmp_path):
     out = Path(os.environ.get("LORARL_GPU_LOG_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
     name = run_name(backend, model, world, merge)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(ROOT / "tests/gpu/grpo_gpu_steps.py"), "--backend", backend, "--tp", str(tp),
-           "--model", model, "--steps", "4", "--out", str(out)] + (["--merge"] if merge else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(ROOT / "tests/gpu/grpo_gpu_steps.py"),
+        "--backend",
+        backend,
+        "--tp",
+        str(tp),
+        "--model",
+        model,
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+    ] + (["--merge"] if merge else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

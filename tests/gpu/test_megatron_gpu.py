@@ -43,10 +43,23 @@ TOL = {"float32": 2e-3, "bfloat16": 0.15}
 MERGE_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 # (TP, PP, dtype, variant): "recompute" = full / uniform / 1 layer; "entropy" = entropy_coeff
 # 0.01, which with TP > 1 gathers the vocab-parallel logits inside the loss
-CASES = [(1, 1, "float32", ""), (2, 1, "float32", ""), (2, 1, "bfloat16", "entropy"), (1, 2, "float32", ""), (1, 1, "bfloat16", "recompute")]
+CASES = [
+    (1, 1, "float32", ""),
+    (2, 1, "float32", ""),
+    (2, 1, "bfloat16", "entropy"),
+    (1, 2, "float32", ""),
+    (1, 1, "bfloat16", "recompute"),
+]
 RANK, ALPHA = 16, 32
 PROMPT_LEN, RESPONSE_LEN, N_SEQ = 16, 24, 8
-CHECKED_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+CHECKED_WEIGHTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,17 +82,34 @@ def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
     )
 
     return RunConfig(
-        model=ModelConfig(path=hf_dir, dtype=dtype, lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], init_A="kaiming")),
+        model=ModelConfig(
+            path=hf_dir,
+            dtype=dtype,
+            lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], init_A="kaiming"),
+        ),
         data=DataConfig(train_files=["unused"], train_batch_size=N_SEQ),
         rollout=RolloutConfig(n=1, temperature=1.0),
         actor=ActorConfig(
-            optim=OptimConfig(lr=5e-3), ppo_mini_batch_size=N_SEQ, ppo_micro_batch_size_per_gpu=4,
-            use_kl_loss=True, kl_loss_type="low_var_kl", grad_clip=1.0, entropy_coeff=0.01 if variant == "entropy" else 0.0,
+            optim=OptimConfig(lr=5e-3),
+            ppo_mini_batch_size=N_SEQ,
+            ppo_micro_batch_size_per_gpu=4,
+            use_kl_loss=True,
+            kl_loss_type="low_var_kl",
+            grad_clip=1.0,
+            entropy_coeff=0.01 if variant == "entropy" else 0.0,
         ),  # fmt: skip
         algorithm=AlgorithmConfig(),
         trainer=TrainerConfig(n_gpus_per_node=tp * pp, device="cuda", seed=7),
-        backend=MegatronBackendConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local", bridge="megatron_bridge",
-            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if variant == "recompute" else {}),
+        backend=MegatronBackendConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            transformer_impl="local",
+            bridge="megatron_bridge",
+            **(
+                {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                if variant == "recompute"
+                else {}
+            ),
         ),
     )
 
@@ -97,7 +127,14 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     t0 = time.perf_counter()
     engine = MegatronEngine(_run_config(hf_dir, tp, pp, dtype, variant))
     rank = dist.get_rank()
-    result: dict = {"tp": tp, "pp": pp, "dtype": dtype, "variant": variant or None, "layers": LAYERS, "build_s": time.perf_counter() - t0}
+    result: dict = {
+        "tp": tp,
+        "pp": pp,
+        "dtype": dtype,
+        "variant": variant or None,
+        "layers": LAYERS,
+        "build_s": time.perf_counter() - t0,
+    }
 
     # base export == the HF files (pure base, names normalised)
     t = time.perf_counter()
@@ -109,7 +146,9 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     result["base_names_equal"] = set(base) == set(hf)
     # the files are float32; the engine holds them cast to its dtype
     cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    result["base_max_diff"] = max(float((base[k].cpu().float() - hf[k].to(cast).float()).abs().max()) for k in hf if k in base)
+    result["base_max_diff"] = max(
+        float((base[k].cpu().float() - hf[k].to(cast).float()).abs().max()) for k in hf if k in base
+    )
 
     g = torch.Generator().manual_seed(123)
     prompts = [torch.randint(10, 1000, (PROMPT_LEN - i % 3,), generator=g).tolist() for i in range(N_SEQ)]
@@ -157,18 +196,28 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
         shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
         ours = megatron_lora_to_peft(engine.lora_shards(), shape)
         result["own_split_names_equal"] = set(ours) == set(adapter)
-        result["own_split_max_diff"] = max(float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter)
+        result["own_split_max_diff"] = max(
+            float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter
+        )
 
     merged = dict(engine.bridge.export_merged(engine.model))
-    merged_subset = {k: v for k, v in merged.items() if any(f"layers.0.{w}.weight" in k or f"layers.{LAYERS - 1}.{w}.weight" in k for w in CHECKED_WEIGHTS)}
+    merged_subset = {
+        k: v
+        for k, v in merged.items()
+        if any(f"layers.0.{w}.weight" in k or f"layers.{LAYERS - 1}.{w}.weight" in k for w in CHECKED_WEIGHTS)
+    }
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         folder = out / "adapter"
         folder.mkdir(exist_ok=True)
         (folder / "adapter_config.json").write_text(json.dumps(engine.adapter_config()))
-        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"))
-        save_file({k: v.detach().cpu().contiguous() for k, v in merged_subset.items()}, str(out / "merged_subset.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors")
+        )
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in merged_subset.items()}, str(out / "merged_subset.safetensors")
+        )
         save_file(
             {"ids": probe.input_ids, "mask": probe.response_mask, "policy": probe_policy, "reference": probe_reference},
             str(out / "probe.safetensors"),
@@ -209,7 +258,9 @@ def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].cuda().unsqueeze(-1)).squeeze(-1).cpu()
 
 
-@pytest.mark.parametrize("tp, pp, dtype, variant", CASES, ids=[f"tp{t}-pp{p}-{d}{'-' + r if r else ''}" for t, p, d, r in CASES])
+@pytest.mark.parametrize(
+    "tp, pp, dtype, variant", CASES, ids=[f"tp{t}-pp{p}-{d}{'-' + r if r else ''}" for t, p, d, r in CASES]
+)
 def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, variant):
     if torch.cuda.device_count() < tp * pp:
         pytest.skip(f"needs {tp * pp} GPUs")
@@ -218,9 +269,32 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
     from transformers import Qwen2ForCausalLM
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * pp}", __file__, "--worker", str(hf_dir), str(out), str(tp), str(pp), dtype, variant]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={tp * pp}",
+        __file__,
+        "--worker",
+        str(hf_dir),
+        str(out),
+        str(tp),
+        str(pp),
+        dtype,
+        variant,
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])})
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     result = json.loads((out / "result.json").read_text())
     result["torchrun_s"] = time.perf_counter() - t0
@@ -238,9 +312,14 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
     effect = (hf_lora - hf_base).abs()[mask]
     merged_ref = {k: v for k, v in peft_model.merge_and_unload().state_dict().items()}
     merged = load_file(str(out / "merged_subset.safetensors"))
-    merge_diff = max(float((merged[k].float() - merged_ref[k].float().cpu()).abs().max() / merged_ref[k].float().abs().max()) for k in merged)
+    merge_diff = max(
+        float((merged[k].float() - merged_ref[k].float().cpu()).abs().max() / merged_ref[k].float().abs().max())
+        for k in merged
+    )
     # and the merged export is not just the base (else the check above proves nothing)
-    merge_delta = min(float((merged[k].float() - base_weights[k]).abs().max() / base_weights[k].abs().max()) for k in merged)
+    merge_delta = min(
+        float((merged[k].float() - base_weights[k]).abs().max() / base_weights[k].abs().max()) for k in merged
+    )
     result.update(
         policy_vs_peft_max=float(diff_policy.max()), policy_vs_peft_mean=float(diff_policy.mean()),
         reference_vs_hf_base_max=float(diff_reference.max()), adapter_effect_mean=float(effect.mean()),
@@ -250,7 +329,9 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
     log_dir = os.environ.get("LORARL_GPU_LOG_DIR")
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(log_dir) / f"megatron_tp{tp}_pp{pp}_{dtype}{'_' + variant if variant else ''}.json").write_text(json.dumps(result, indent=1, default=float))
+        (Path(log_dir) / f"megatron_tp{tp}_pp{pp}_{dtype}{'_' + variant if variant else ''}.json").write_text(
+            json.dumps(result, indent=1, default=float)
+        )
 
     assert result["base_names_equal"] and result["base_max_diff"] == 0.0
     assert result["initial_policy_vs_reference_max"] == 0.0
@@ -267,4 +348,11 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else "")
+    worker(
+        sys.argv[2],
+        sys.argv[3],
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+        sys.argv[6],
+        sys.argv[7] if len(sys.argv) > 7 else "",
+    )

@@ -60,9 +60,7 @@ def load_rows(files: Sequence[str | os.PathLike] | str | os.PathLike) -> list[di
         try:
             table = pq.read_table(path)
         except Exception as exc:
-            raise DataError(
-                f"data file {str(path)!r} is not readable parquet ({type(exc).__name__}: {exc})"
-            ) from exc
+            raise DataError(f"data file {str(path)!r} is not readable parquet ({type(exc).__name__}: {exc})") from exc
         missing = _missing_columns(table.schema)
         if missing:
             raise DataError(
@@ -118,9 +116,7 @@ def build_prompts(
 ) -> tuple[list[PromptItem], int]:
     """Tokenize each row's chat prompt; returns the items and how many were filtered out."""
     if truncation not in TRUNCATION_MODES:
-        raise ConfigError(
-            f"data.truncation={truncation!r} is unknown; use one of {', '.join(TRUNCATION_MODES)}"
-        )
+        raise ConfigError(f"data.truncation={truncation!r} is unknown; use one of {', '.join(TRUNCATION_MODES)}")
     if max_prompt_length <= 0:
         raise ConfigError(f"data.max_prompt_length={max_prompt_length} must be positive")
     if not rows:
@@ -129,9 +125,7 @@ def build_prompts(
     n_filtered = 0
     for i, row in enumerate(rows):
         messages = _messages(row, i)
-        ids = _as_id_list(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        )
+        ids = _as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 n_filtered += 1
@@ -241,7 +235,12 @@ class PromptLoader:
 
 
 def ensure_arith_parquet(
-    train_path: str | os.PathLike, val_path: str | os.PathLike, n_train: int, n_val: int, seed: int, max_operand: int = 9
+    train_path: str | os.PathLike,
+    val_path: str | os.PathLike,
+    n_train: int,
+    n_val: int,
+    seed: int,
+    max_operand: int = 9,
 ) -> tuple[str, str]:
     """Write the synthetic task's train/val parquet at the configured paths if missing.
 

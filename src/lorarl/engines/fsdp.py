@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,9 @@ class FSDPEngine:
 
     # ---- forward -------------------------------------------------------------------------
 
-    def _forward(self, mb: TrainBatch, with_entropy: bool, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mb = mb.to(self.device)
         out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         logits = out.logits[:, :-1, :].float() / (self.temperature if temperature is None else temperature)
@@ -128,7 +130,9 @@ class FSDPEngine:
         return logp, ent
 
     @torch.no_grad()
-    def log_probs(self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None) -> torch.Tensor:
+    def log_probs(
+        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
+    ) -> torch.Tensor:
         """Log-probs of every next token at the rollout temperature (or `temperature`);
         `reference=True` runs the base with the adapter disabled."""
         self.model.eval()
@@ -216,7 +220,9 @@ class FSDPEngine:
     def adapter_config(self) -> dict:
         cfg = self.model.peft_config["default"].to_dict()
         # JSON-friendly: PEFT stores target_modules as a set and task_type as an enum.
-        cfg["target_modules"] = sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
+        cfg["target_modules"] = (
+            sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
+        )
         cfg["task_type"] = str(getattr(cfg.get("task_type"), "value", cfg.get("task_type")))
         cfg["peft_type"] = str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type")))
         cfg["base_model_name_or_path"] = self.run.model.path
@@ -226,7 +232,11 @@ class FSDPEngine:
         """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call)."""
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
-            gather = {"bucketed": self._adapter_bucketed, "layered": self._adapter_layered, "per_param": self._adapter_per_param}
+            gather = {
+                "bucketed": self._adapter_bucketed,
+                "layered": self._adapter_layered,
+                "per_param": self._adapter_per_param,
+            }
             tensors = gather[method]()
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
@@ -263,7 +273,11 @@ class FSDPEngine:
             rows = p.shape[0]
             chunk = math.ceil(rows / self.world)
             local = p.to_local() if isinstance(p, DTensor) else p
-            local = local.detach().reshape(local.shape[0], -1) if local.numel() else local.detach().new_zeros((0, int(math.prod(p.shape[1:]))))
+            local = (
+                local.detach().reshape(local.shape[0], -1)
+                if local.numel()
+                else local.detach().new_zeros((0, int(math.prod(p.shape[1:]))))
+            )
             padded = local.new_zeros((chunk, local.shape[1]))
             padded[: local.shape[0]] = local
             pieces.append(padded.reshape(-1).float())
@@ -324,7 +338,9 @@ class FSDPEngine:
         """Full (unsharded) optimizer state keyed by parameter name (collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None:
         """Put full LoRA tensors (PEFT names) back into the shards; restore optimizer and schedule."""
@@ -337,14 +353,18 @@ class FSDPEngine:
                     continue
                 key = _peft_name(name)
                 if key not in lora:
-                    raise ModelError(f"checkpoint adapter has no tensor {key}; was it saved with another model.lora config?")
+                    raise ModelError(
+                        f"checkpoint adapter has no tensor {key}; was it saved with another model.lora config?"
+                    )
                 full = lora[key].to(dtype=p.dtype)
                 if isinstance(p, DTensor):
                     p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local())
                 else:
                     p.copy_(full)
         if optimizer is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, optimizer, options=StateDictOptions(full_state_dict=True)
+            )
         if scheduler is not None:
             self.scheduler.load_state_dict({**scheduler, "lr_lambdas": [None] * len(self.optimizer.param_groups)})
 
@@ -375,7 +395,7 @@ def _peft_name(param_name: str) -> str:
 
 
 def _hf_name(param_name: str) -> str:
-    name = param_name[len(PEFT_PREFIX):] if param_name.startswith(PEFT_PREFIX) else param_name
+    name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
     return name.replace(".base_layer.", ".")
 
 

@@ -73,9 +73,7 @@ def ensure_tiny_model(path: str | Path, seed: int = 0, warmup_steps: int = DEFAU
             return path
         if path.exists() and not (path / MARKER).is_file() and any(path.iterdir()):
             # Only ever replace what this builder made: never delete a user's folder.
-            raise ModelError(
-                f"{path} exists and is not a lorarl tiny model; point the model path at a new folder"
-            )
+            raise ModelError(f"{path} exists and is not a lorarl tiny model; point the model path at a new folder")
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the model is meant to be shared
         try:
@@ -123,9 +121,7 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
 # transformers >= 5 rebuilds any model_type=qwen2 tokenizer with this pipeline on
 # load, so training with anything else would give merges that never apply after
 # save + reload (seen: a model 44% right in memory, 9% right after reloading).
-QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def build_tokenizer(seed_texts: list[str] | None = None):
@@ -188,11 +184,7 @@ def build_config(tokenizer):
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def _warmup_batches(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:

@@ -60,9 +60,7 @@ def check_items(items: Iterable[Any], custom: str | None = None) -> None:
 def _load_custom(path: str) -> Callable[..., Any]:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"data.reward_fn={path!r} must look like 'package.module:function'"
-        )
+        raise ConfigError(f"data.reward_fn={path!r} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -71,9 +69,7 @@ def _load_custom(path: str) -> Callable[..., Any]:
         ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(
-            f"data.reward_fn={path!r}: module {module_name!r} has no callable {attr!r}"
-        )
+        raise ConfigError(f"data.reward_fn={path!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
@@ -103,9 +99,7 @@ def get_reward_fn(data_source: str, custom: str | None = None) -> RewardFn:
         ) from None
 
 
-def compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
-) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     return get_reward_fn(data_source)(solution_str, ground_truth, extra_info)
 
 

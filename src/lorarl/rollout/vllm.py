@@ -73,9 +73,7 @@ class VLLMRollout:
         trust_remote_code: bool = False,
     ) -> None:
         if adapter_transport not in ("tmpfs", "memory"):
-            raise ConfigError(
-                f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'"
-            )
+            raise ConfigError(f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'")
         # The engine must live in this process: weights are pushed into its worker
         # by reference (reload_weights with an iterator, adapters from tensors).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -85,8 +83,7 @@ class VLLMRollout:
         self._is_cpu = current_platform.is_cpu()
         if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ConfigError(
-                "rollout.enable_sleep_mode=true but this vLLM build has no sleep mode "
-                "(CPU); set it to false"
+                "rollout.enable_sleep_mode=true but this vLLM build has no sleep mode (CPU); set it to false"
             )
         self.lora_rank = lora_rank
         self.max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
@@ -198,18 +195,11 @@ class VLLMRollout:
         with torch.random.fork_rng(devices=[], enabled=process_seed is not None):
             if process_seed is not None:
                 torch.manual_seed(process_seed)
-            outs = self._engine().generate(
-                requests, params, lora_request=self._lora_request(), use_tqdm=False
-            )
+            outs = self._engine().generate(requests, params, lora_request=self._lora_request(), use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
             tokens.append([list(c.token_ids) for c in out.outputs])
-            logprobs.append(
-                [
-                    [step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)]
-                    for c in out.outputs
-                ]
-            )
+            logprobs.append([[step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)] for c in out.outputs])
         return Samples(tokens, logprobs)
 
     def generate(
@@ -341,9 +331,7 @@ class VLLMRollout:
             if self.adapter_transport == "tmpfs":
                 from vllm.lora.request import LoRARequest
 
-                request = LoRARequest(
-                    ADAPTER_NAME, ADAPTER_ID, str(self._adapter_dir), load_inplace=True
-                )
+                request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(self._adapter_dir), load_inplace=True)
                 engine.llm_engine.add_lora(request)
             else:
                 assert self._adapter is not None
@@ -356,9 +344,7 @@ class VLLMRollout:
             raise SyncError(f"vLLM rejected the adapter: {_short(exc)}") from exc
         loaded = engine.llm_engine.list_loras()
         if loaded != {ADAPTER_ID}:
-            raise SyncError(
-                f"after the adapter sync vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}"
-            )
+            raise SyncError(f"after the adapter sync vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
         return time.perf_counter() - start
 
     def _lora_request(self):
@@ -448,9 +434,13 @@ def _resolve_dtype(model_path: str | os.PathLike, dtype: str) -> str:
 # vLLM fuses these HF projections into one parameter; with LoRA enabled it wraps the fused
 # linear and (depending on the version) keeps its weight under `.base_layer`.
 _FUSED_INTO = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-    "o_proj": "o_proj", "down_proj": "down_proj",
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "o_proj": "o_proj",
+    "down_proj": "down_proj",
 }
 
 
@@ -482,8 +472,10 @@ def _wrapped_param_names(worker) -> list[str]:
     out = []
     for module_name, module in model.named_modules():
         base = getattr(module, "_modules", {}).get("base_layer")
-        if base is None or "load_weights" in type(module).__dict__ or any(
-            "load_weights" in c.__dict__ for c in type(module).__mro__[1:] if c.__name__.endswith("WithLoRA")
+        if (
+            base is None
+            or "load_weights" in type(module).__dict__
+            or any("load_weights" in c.__dict__ for c in type(module).__mro__[1:] if c.__name__.endswith("WithLoRA"))
         ):
             continue
         out += [f"{module_name}.base_layer.{n}" for n, _ in base.named_parameters(recurse=False)]
@@ -495,7 +487,9 @@ def _forget_lora_mapping(worker) -> None:
     manager = getattr(_vllm_worker(worker).model_runner, "lora_manager", None)
     adapters = getattr(manager, "_adapter_manager", None)
     if adapters is None or not hasattr(adapters, "_last_mapping"):
-        raise SyncError("this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep")
+        raise SyncError(
+            "this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep"
+        )
     adapters._last_mapping = None
 
 
@@ -536,9 +530,7 @@ def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], 
 
     manager = _vllm_worker(worker).model_runner.lora_manager
     adapters = manager._adapter_manager
-    helper = PEFTHelper.from_dict(
-        {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
-    )
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
     model = adapters.model
     mapper = lora_name_mapper(getattr(model, "hf_to_vllm_mapper", None))

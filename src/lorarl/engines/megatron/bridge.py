@@ -14,7 +14,9 @@ Method names and keyword arguments are those of megatron-bridge 0.6.2
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -140,7 +142,7 @@ class MBridgeAdapter:
     name = "mbridge"
     supports_adapter = False
 
-    def __init__(self, bridge: Any, merged_view: Callable[[list], ContextManager[Any]] | None = None) -> None:
+    def __init__(self, bridge: Any, merged_view: Callable[[list], AbstractContextManager[Any]] | None = None) -> None:
         _check_methods(bridge, self.name)
         self.bridge = bridge
         self.merged_view = merged_view or (lambda model: contextlib.nullcontext())
@@ -162,7 +164,7 @@ def make_bridge(
     hf_path: str,
     *,
     cpu: bool = False,
-    merged_view: Callable[[list], ContextManager[Any]] | None = None,
+    merged_view: Callable[[list], AbstractContextManager[Any]] | None = None,
     **kwargs: Any,
 ) -> MegatronBridgeAdapter | MBridgeAdapter:
     """Load the named bridge for an HF checkpoint directory and wrap it.

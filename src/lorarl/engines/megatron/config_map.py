@@ -9,8 +9,9 @@ this module emits against those classes' fields in the released wheels.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from lorarl.engines.megatron.names import LORA_TYPES, resolve_lora_targets
 from lorarl.errors import ConfigError
@@ -143,9 +144,7 @@ def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
     """`backend.*` (+ model.dtype) -> provider attributes."""
     impl = get(backend, "transformer_impl", "local")
     if impl not in TRANSFORMER_IMPLS:
-        raise ConfigError(
-            f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}"
-        )
+        raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={dtype!r} is not valid; use one of: {', '.join(DTYPES)}")
     tp = int(get(backend, "tensor_model_parallel_size", 1))
@@ -239,16 +238,12 @@ def check_megatron(
         raise ConfigError(f"backend.bridge={bridge!r} is not valid; use one of: megatron_bridge, mbridge")
     impl = get(backend, "transformer_impl", "local")
     if impl not in TRANSFORMER_IMPLS:
-        raise ConfigError(
-            f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}"
-        )
+        raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
     spec = peft_spec(lora)
     rank = spec.kwargs["dim"]
     if rank % tp:
         # ColumnParallelLinear(in, dim) for LoRA A: megatron's divide() asserts dim % tp == 0.
-        raise ConfigError(
-            f"model.lora.rank={rank} must be divisible by backend.tensor_model_parallel_size={tp}"
-        )
+        raise ConfigError(f"model.lora.rank={rank} must be divisible by backend.tensor_model_parallel_size={tp}")
     sp = bool(get(backend, "sequence_parallel", False))
     if sp and tp == 1:
         raise ConfigError(
@@ -295,9 +290,7 @@ def check_megatron(
             f"key/value heads; use a tensor parallel size that divides it"
         )
     if num_layers is not None and num_layers % pp:
-        raise ConfigError(
-            f"backend.pipeline_model_parallel_size={pp} does not divide the model's {num_layers} layers"
-        )
+        raise ConfigError(f"backend.pipeline_model_parallel_size={pp} does not divide the model's {num_layers} layers")
     if vocab_size is not None and vocab_size % tp:
         # VocabParallelEmbedding splits rows evenly; Megatron-Bridge does not pad Qwen2's vocab.
         raise ConfigError(
@@ -321,18 +314,16 @@ def _check_recompute(backend: Any, num_layers: int | None, pp: int) -> None:
         return
     if gran == "selective":
         if n is not None:
-            raise ConfigError("backend.recompute_granularity=selective takes no backend.recompute_num_layers; set it to null")
+            raise ConfigError(
+                "backend.recompute_granularity=selective takes no backend.recompute_num_layers; set it to null"
+            )
         return
     if method is None:
         raise ConfigError("backend.recompute_granularity=full needs backend.recompute_method=uniform or block")
     if not isinstance(n, int) or n < 1:
-        raise ConfigError(
-            f"backend.recompute_granularity=full needs backend.recompute_num_layers >= 1 (got {n!r})"
-        )
+        raise ConfigError(f"backend.recompute_granularity=full needs backend.recompute_num_layers >= 1 (got {n!r})")
     if num_layers is not None and n > num_layers // pp:
-        raise ConfigError(
-            f"backend.recompute_num_layers={n} exceeds the {num_layers // pp} layers per pipeline stage"
-        )
+        raise ConfigError(f"backend.recompute_num_layers={n} exceeds the {num_layers // pp} layers per pipeline stage")
 
 
 def require_cuda() -> int:

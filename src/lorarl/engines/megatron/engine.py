@@ -24,8 +24,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -174,7 +175,9 @@ class MegatronEngine:
         from mbridge import AutoBridge as MAutoBridge
 
         # mbridge reads megatron-core's parallel state in its constructor: built after init.
-        return MBridgeAdapter(MAutoBridge.from_pretrained(self.path, trust_remote_code=False), merged_view=merged_lora_view)
+        return MBridgeAdapter(
+            MAutoBridge.from_pretrained(self.path, trust_remote_code=False), merged_view=merged_lora_view
+        )
 
     def _build_optimizer(self) -> Any:
         from megatron.core.distributed import finalize_model_grads
@@ -287,7 +290,11 @@ class MegatronEngine:
         if self.pp > 1:
             import torch.distributed as dist
 
-            dist.broadcast(t, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                t,
+                src=self.ps.get_pipeline_model_parallel_last_rank(),
+                group=self.ps.get_pipeline_model_parallel_group(),
+            )
         return t
 
     @torch.no_grad()
@@ -336,7 +343,9 @@ class MegatronEngine:
         check_right_padded(batch.attention_mask)
         n_rollout = int(get(getattr(self.run, "rollout", None) or {}, "n", 1))
         mini = max(1, int(get(a, "ppo_mini_batch_size", len(batch))) * n_rollout // self.dp_size)
-        gen = torch.Generator().manual_seed(int(get(getattr(self.run, "trainer", None) or {}, "seed", 1)) * 100003 + step)
+        gen = torch.Generator().manual_seed(
+            int(get(getattr(self.run, "trainer", None) or {}, "seed", 1)) * 100003 + step
+        )
         sums: dict[str, list[float]] = {}
         for _ in range(int(get(a, "ppo_epochs", 1))):
             order = torch.randperm(len(batch), generator=gen)
@@ -401,7 +410,9 @@ class MegatronEngine:
                 loss = loss - ent_coef * entropy
                 metrics["actor/entropy"] = float(entropy.detach())
             if use_kl:
-                kl = agg_loss(kl_penalty(logp, p.ref_logp[:, : logp.shape[1]], get(a, "kl_loss_type", "low_var_kl")), mask, mode)
+                kl = agg_loss(
+                    kl_penalty(logp, p.ref_logp[:, : logp.shape[1]], get(a, "kl_loss_type", "low_var_kl")), mask, mode
+                )
                 loss = loss + float(get(a, "kl_loss_coef", 0.001)) * kl
                 metrics["actor/kl_loss"] = float(kl.detach())
             if not torch.isfinite(loss):
@@ -428,7 +439,11 @@ class MegatronEngine:
             import torch.distributed as dist
 
             box = [metrics]
-            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                box,
+                src=self.ps.get_pipeline_model_parallel_last_rank(),
+                group=self.ps.get_pipeline_model_parallel_group(),
+            )
             metrics = box[0]
         metrics["actor/grad_norm"] = grad_norm
         return metrics

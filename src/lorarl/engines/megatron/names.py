@@ -20,8 +20,9 @@ Layouts:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class AttentionShape:
         return self.q_size + 2 * self.kv_size
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "AttentionShape":
+    def from_hf_config(cls, config: Any) -> AttentionShape:
         """From a transformers Qwen2Config (or anything with the same attribute names)."""
         heads = _cfg(config, "num_attention_heads")
         groups = _cfg(config, "num_key_value_heads", heads)
@@ -166,7 +167,11 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _LAYER_FUSED = {
-    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attention.linear_qkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
@@ -302,7 +307,12 @@ _HF_TO_FUSED = {
     "up_proj": "linear_fc1",
     "down_proj": "linear_fc2",
 }
-_HF_TO_CANONICAL = dict(zip(HF_PROJECTIONS, ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2")))
+_HF_TO_CANONICAL = dict(
+    zip(
+        HF_PROJECTIONS,
+        ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"),
+    )
+)
 _FUSED_TO_HF = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
@@ -379,9 +389,23 @@ def _unmappable(name: str) -> str:
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-_HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_HF_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # CanonicalLoRA sub-adapters inside the fused wrapper (LoRALinearSplitQKV / LoRALinearSplitFC1UpGate).
-_CANONICAL_SUB = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v": "v_proj", "adapter_gate": "gate_proj", "adapter_up": "up_proj"}
+_CANONICAL_SUB = {
+    "adapter_q": "q_proj",
+    "adapter_k": "k_proj",
+    "adapter_v": "v_proj",
+    "adapter_gate": "gate_proj",
+    "adapter_up": "up_proj",
+}
 
 _MC_ADAPTER = re.compile(
     r"^(?:module\.)*decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)"
@@ -453,7 +477,9 @@ def megatron_lora_to_peft(
     for name, parts in shards.items():
         m = _MC_ADAPTER.match(name)
         if not m:
-            raise SyncError(f"{name!r} is not a Megatron LoRA parameter name (…adapter[.adapter_x].linear_in|linear_out.weight)")
+            raise SyncError(
+                f"{name!r} is not a Megatron LoRA parameter name (…adapter[.adapter_x].linear_in|linear_out.weight)"
+            )
         layer, _, module, sub, side = m.groups()
         if sub is not None and sub not in _CANONICAL_SUB:
             raise SyncError(f"{name!r}: unknown CanonicalLoRA sub-adapter {sub!r}")
@@ -479,7 +505,9 @@ def megatron_lora_to_peft(
 # Bridge export streams -> names the vLLM rollout accepts
 # ---------------------------------------------------------------------------------------------
 
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.([a-z_]+))\.lora_([AB])\.weight$")
+_LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.([a-z_]+))\.lora_([AB])\.weight$"
+)
 
 
 def normalize_adapter_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -63,10 +63,18 @@ def te_available() -> bool:
 
 def install() -> None:
     """Put the stand-in into sys.modules after importing what must not see it."""
-    if "transformer_engine" in sys.modules and sys.modules["transformer_engine"].__dict__.get("__version__") == STANDIN_VERSION:
+    if (
+        "transformer_engine" in sys.modules
+        and sys.modules["transformer_engine"].__dict__.get("__version__") == STANDIN_VERSION
+    ):
         return
     # Their optional-TE probes run at import time; they must run against the real (absent) TE.
-    for name in ("peft", "megatron.core", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.transformer_layer"):
+    for name in (
+        "peft",
+        "megatron.core",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.transformer.transformer_layer",
+    ):
         importlib.import_module(name)
     root = _AbsentModule("transformer_engine")
     root.__version__ = STANDIN_VERSION
