@@ -97,6 +97,9 @@ def test_engine_logprobs_match_hf_peft(engine_run, tiny_model_path):
     torch.testing.assert_close(got["policy"] * got["mask"], want_policy, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got["reference"] * got["mask"], want_ref, atol=1e-4, rtol=1e-4)
     assert (want_policy - want_ref).abs().max() > 1e-3, "the random adapter must change the policy"
+    # Left-padded prompts (the layout the FSDP engine trains on) give the same response log-probs.
+    left = got["policy_left"][got["mask_left"].bool()]
+    torch.testing.assert_close(left, got["policy"][got["mask"].bool()], atol=1e-5, rtol=1e-5)
 
 
 def test_base_export_is_the_hf_checkpoint(engine_run, tiny_model_path):

@@ -7,6 +7,7 @@ shared by the FSDP and Megatron engines. Shapes: B sequences, T response tokens,
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lorarl.errors import ConfigError
 
@@ -69,35 +70,58 @@ def grpo_advantages(
     return adv.to(out_dtype)
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """log p(label) per position, float32, via logit[label] - logsumexp(logits).
+def _chunk_logp(rows: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    rows = rows.float() / temperature
+    return rows.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
 
-    Rows are processed in chunks so a bf16 [B, T, V] never exists as one float32 copy
-    (at V=152k and 8k tokens that copy alone would be ~5 GB).
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024
+) -> torch.Tensor:
+    """log p(label) per position, float32, from logits / temperature: logit[label] - logsumexp.
+
+    Rows are processed in chunks, so a 16-bit [tokens, V] never exists as one float32 copy
+    (at V=152k and 8k tokens that copy alone would be ~5 GB). Under autograd each chunk is
+    recomputed in the backward pass instead of keeping its float32 copy alive.
     """
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     flat_labels = labels.reshape(-1)
+    grad = torch.is_grad_enabled() and logits.requires_grad
     out = []
     for start in range(0, flat.shape[0], chunk_rows):
-        rows = flat[start : start + chunk_rows].float()
-        lab = flat_labels[start : start + chunk_rows]
-        picked = rows.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(rows, dim=-1))
+        rows, lab = flat[start : start + chunk_rows], flat_labels[start : start + chunk_rows]
+        if grad:
+            out.append(checkpoint(_chunk_logp, rows, lab, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logp(rows, lab, temperature))
     if not out:
         return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
     return torch.cat(out).reshape(labels.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, float32: logsumexp(l) - sum(p * l)."""
+def _chunk_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    rows = rows.float() / temperature
+    return torch.logsumexp(rows, dim=-1) - (torch.softmax(rows, dim=-1) * rows).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position, float32: logsumexp(l) - sum(p * l).
+
+    Differentiable (chunks recomputed in backward) when `logits` require grad and grad mode is
+    on; call it under torch.no_grad() for a metric that costs no memory in the graph.
+    """
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab)
+    grad = torch.is_grad_enabled() and logits.requires_grad
     out = []
     for start in range(0, flat.shape[0], chunk_rows):
-        rows = flat[start : start + chunk_rows].float()
-        probs = torch.softmax(rows, dim=-1)
-        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
+        rows = flat[start : start + chunk_rows]
+        out.append(
+            checkpoint(_chunk_entropy, rows, temperature, use_reentrant=False)
+            if grad
+            else _chunk_entropy(rows, temperature)
+        )
     if not out:
         return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     return torch.cat(out).reshape(logits.shape[:-1])
@@ -115,21 +139,30 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ConfigError(f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}")
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, denom: float | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over the tokens mask keeps.
 
-    Sequence modes average over sequences that have at least one kept token, so
-    fully-masked padding rows do not dilute the loss.
+    Without `denom` the mean is over this tensor alone. With it, the sum over kept tokens
+    (token-mean) or over per-sequence values (seq-* modes) is divided by `denom`: the caller
+    passes the count of the whole mini-batch (every micro-batch, every data-parallel rank)
+    divided by the data-parallel size, so that micro-batches of any size add up, after the
+    gradient average over ranks, to the mean over the mini-batch. Sequence modes count only
+    sequences with at least one kept token, so fully-masked padding rows dilute nothing.
     """
+    if mode not in AGG_MODES:
+        raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        per_seq = masked_sum(loss_mat, mask, dim=-1)
-        if mode == "seq-mean-token-mean":
-            per_seq = masked_mean(loss_mat, mask, dim=-1)
-        has_tokens = mask.bool().any(dim=-1)
-        return masked_mean(per_seq, has_tokens)
-    raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
+        return masked_mean(loss_mat, mask) if denom is None else masked_sum(loss_mat, mask) / denom
+    per_seq = (
+        masked_sum(loss_mat, mask, dim=-1) if mode == "seq-mean-token-sum" else masked_mean(loss_mat, mask, dim=-1)
+    )
+    has_tokens = mask.bool().any(dim=-1)
+    return masked_mean(per_seq, has_tokens) if denom is None else masked_sum(per_seq, has_tokens) / denom
+
+
+def agg_count(mask: torch.Tensor, mode: str) -> int:
+    """What agg_loss divides by for `mode`: kept tokens, or sequences with a kept token."""
+    return int(mask.bool().sum()) if mode == "token-mean" else int(mask.bool().any(dim=-1).sum())
 
 
 def policy_loss(
@@ -141,6 +174,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
+    denom: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate loss (optionally dual-clip) and its diagnostics.
 
@@ -165,8 +199,10 @@ def policy_loss(
         capped = negative & (loss_mat > cap)
         clipfrac_lower = masked_mean(capped.float(), mask)
         loss_mat = torch.where(negative, torch.minimum(loss_mat, cap), loss_mat)
-    loss = agg_loss(loss_mat, mask, loss_agg_mode)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, denom)
     metrics = {
+        # This micro-batch's own mean, comparable across micro-batch sizes (the loss is not).
+        "pg_loss": float(agg_loss(loss_mat.detach(), mask, loss_agg_mode)),
         "pg_clipfrac": float(clipfrac),
         "ppo_kl": float(masked_mean(-(logp - old_logp).detach(), mask)),
         "pg_clipfrac_lower": float(clipfrac_lower),

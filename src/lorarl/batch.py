@@ -1,8 +1,12 @@
-"""Padded training tensors built from (prompt, response) token lists.
+"""Padded training tensors built from (prompt, response) token lists, and how they are cut
+into micro-batches.
 
-Sequences are prompt + response, right-padded. Position t of the `[B, L-1]` tensors is the
-log-prob of token t+1, so `response_mask` marks exactly the positions that predict a
-response token; prompts and padding never enter a loss.
+Each row is prompt + response. Position t of the `[B, L-1]` tensors is the log-prob of token
+t+1, so `response_mask` marks exactly the positions that predict a response token; prompts
+and padding never enter a loss. Prompts are right-aligned when `left_pad_prompts` is set
+(every response then starts in the same column, so an engine can compute logits for the
+response columns only), else every row is right-padded (what Megatron's causal-only
+attention needs). Everything downstream reads the masks, never the layout.
 """
 
 from __future__ import annotations
@@ -25,22 +29,44 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, idx: slice | torch.Tensor) -> TrainBatch:
+    def _map(self, fn) -> TrainBatch:
         return TrainBatch(
-            **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx]) for f in fields(self)}
+            **{f.name: (None if (v := getattr(self, f.name)) is None else fn(f.name, v)) for f in fields(self)}
         )
 
+    def select(self, idx: slice | torch.Tensor | list[int]) -> TrainBatch:
+        return self._map(lambda _, v: v[idx])
+
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(
-            **{
-                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
-                for f in fields(self)
-            }
-        )
+        return self._map(lambda _, v: v.to(device))
 
     def chunks(self, size: int) -> Iterator[TrainBatch]:
         for start in range(0, len(self), size):
             yield self.select(slice(start, start + size))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Real (non-padding) tokens per row."""
+        return self.attention_mask.sum(-1)
+
+    def trim_span(self) -> tuple[int, int]:
+        """(first, last): columns first..last-1 hold every real token of every row."""
+        real = self.attention_mask.bool().any(0).nonzero()
+        if real.numel() == 0:
+            return 0, self.input_ids.shape[1]
+        return int(real[0]), int(real[-1]) + 1
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows without the columns that are padding in every row (both ends)."""
+        first, last = self.trim_span()
+        if first == 0 and last == self.input_ids.shape[1]:
+            return self
+        # [B, L] tensors keep columns first..last-1; [B, L-1] ones the positions predicting
+        # tokens first+1..last-1, i.e. first..last-2.
+        full = ("input_ids", "attention_mask")
+        return self._map(
+            lambda name, v: v if v.dim() == 1 else (v[:, first:last] if name in full else v[:, first : last - 1])
+        )
 
 
 def build_batch(
@@ -48,18 +74,64 @@ def build_batch(
     responses: list[list[int]],
     pad_id: int,
     advantages: list[float] | None = None,
+    left_pad_prompts: bool = False,
 ) -> TrainBatch:
     assert len(prompts) == len(responses), "one response per prompt copy"
-    seqs = [p + r for p, r in zip(prompts, responses)]
-    length = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    response_mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
+    width_p = max(len(p) for p in prompts)
+    if left_pad_prompts:
+        length = width_p + max(len(r) for r in responses)
+    else:
+        length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    response_mask = torch.zeros((len(prompts), length - 1), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        n = len(p) + len(r)
-        input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        # logits at position t predict token t+1: response tokens sit at len(p)..n-1.
-        response_mask[i, len(p) - 1 : n - 1] = 1.0
+        start = width_p - len(p) if left_pad_prompts else 0
+        end = start + len(p) + len(r)
+        input_ids[i, start:end] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, start:end] = 1
+        # logits at position t predict token t+1: response tokens sit at start+len(p)..end-1.
+        response_mask[i, start + len(p) - 1 : end - 1] = 1.0
     adv = None if advantages is None else torch.tensor(advantages, dtype=torch.float32)
     return TrainBatch(input_ids, attention_mask, response_mask, advantages=adv)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over each row's real tokens, whatever padding sits before them (as vLLM
+    numbers a prompt)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def micro_batches(lengths: list[int], *, rows: int | None = None, token_budget: int | None = None) -> list[list[int]]:
+    """Row indices of each micro-batch, every row in exactly one.
+
+    Fixed size (`rows`): consecutive chunks of that many rows. Token budget: rows sorted by
+    length, longest first, each micro-batch filled while rows x its longest row stays within
+    `token_budget` (a row longer than the budget gets one of its own). Rows of similar length
+    end up together, so little of a micro-batch is padding.
+    """
+    n = len(lengths)
+    if token_budget is None:
+        assert rows and rows > 0, "micro_batches needs rows or token_budget"
+        return [list(range(s, min(s + rows, n))) for s in range(0, n, rows)]
+    groups: list[list[int]] = []
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def split_to(groups: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """`groups` cut further until there are `count` of them (data-parallel ranks must run the
+    same number of forward passes): the group with the most padded tokens is halved first."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            raise ValueError(f"cannot cut {sum(map(len, groups))} rows into {count} micro-batches")
+        g = max(splittable, key=lambda g: len(g) * max(lengths[i] for i in g))
+        groups.remove(g)
+        groups += [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups

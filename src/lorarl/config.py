@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from lorarl.errors import ConfigError
 
@@ -21,7 +21,6 @@ HF_LINEAR_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
 # vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
 # vLLM rejects them when the adapter is loaded ("... is unsupported LoRA weight").
 VLLM_LORA_UNSUPPORTED = ("lm_head", "embed_tokens")
-BACKENDS = ("fsdp", "megatron")
 
 
 @dataclass
@@ -91,7 +90,8 @@ class RolloutConfig:
     load_format: str = "auto"
     # Export the adapter one FSDP unit at a time (needs the base already in vLLM).
     layered_summon: bool = False
-    enforce_eager: bool = True
+    # null: CUDA graphs on GPU (false), eager on CPU (true).
+    enforce_eager: bool | None = None
     # vLLM sleep mode between rollouts (GPU only).
     free_cache_engine: bool = True
     dtype: str = "auto"
@@ -116,6 +116,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8
     # Counted in sequences per device.
     ppo_micro_batch_size_per_gpu: int = 4
+    # true: cut micro-batches by padded tokens (ppo_max_token_len_per_gpu) instead of rows.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -287,8 +290,10 @@ def validate(run: RunConfig) -> None:
     from lorarl.sync import vllm_lora_rank
 
     m, d, r, a, alg, t = run.model, run.data, run.rollout, run.actor, run.algorithm, run.trainer
-    backend = run.backend.strategy
-    _one_of("backend", backend, ("fsdp2", "megatron"))
+    from lorarl.engines import BACKENDS
+
+    _one_of("backend.strategy", run.backend.strategy, tuple(BACKENDS))
+    megatron = isinstance(run.backend, MegatronBackendConfig)
 
     lora = m.lora
     _check(lora.rank > 0, f"model.lora.rank={lora.rank} must be > 0 (LoRA is the only training mode)")
@@ -378,9 +383,8 @@ def validate(run: RunConfig) -> None:
     world = run.world_size
     # Data is split over data-parallel replicas: every device with FSDP; with Megatron, the
     # devices of one tensor x pipeline group share a replica and see the same sequences.
-    mp = 1
-    if backend == "megatron":
-        mp = run.backend.tensor_model_parallel_size * run.backend.pipeline_model_parallel_size
+    mp = BACKENDS[run.backend.strategy].model_parallel_size(run.backend)
+    if mp > 1:
         _check(
             world % mp == 0,
             f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
@@ -403,7 +407,11 @@ def validate(run: RunConfig) -> None:
     )
     per_device = mini_seqs // dp
     _check(
-        per_device % a.ppo_micro_batch_size_per_gpu == 0,
+        a.ppo_max_token_len_per_gpu > 0,
+        f"actor.ppo_max_token_len_per_gpu={a.ppo_max_token_len_per_gpu} must be > 0",
+    )
+    _check(
+        a.use_dynamic_bsz or per_device % a.ppo_micro_batch_size_per_gpu == 0,
         f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} must divide the "
         f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / {'replicas' if mp > 1 else 'devices'})",
     )
@@ -413,10 +421,15 @@ def validate(run: RunConfig) -> None:
         f"rollout.tensor_model_parallel_size={tp}: each device runs its own vLLM replica, so only 1 is supported; "
         "spread prompts over devices with trainer.n_gpus_per_node instead",
     )
-    if backend == "megatron":
+    if megatron:
         b = run.backend
         _one_of("backend.bridge", b.bridge, ("megatron_bridge", "mbridge"))
         _one_of("backend.transformer_impl", b.transformer_impl, ("transformer_engine", "local"))
+        _check(
+            not (a.use_dynamic_bsz and b.pipeline_model_parallel_size > 1),
+            "actor.use_dynamic_bsz=true with backend.pipeline_model_parallel_size>1: pipeline stages exchange "
+            "activations of one fixed shape; set actor.use_dynamic_bsz=false",
+        )
         _check(
             lora.rank % b.tensor_model_parallel_size == 0,
             f"model.lora.rank={lora.rank} must be divisible by backend.tensor_model_parallel_size={b.tensor_model_parallel_size}",
@@ -437,7 +450,7 @@ def validate(run: RunConfig) -> None:
 def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:
     """Checks that need the model's config: tensor parallel sizes must split the heads."""
     sizes = [("rollout.tensor_model_parallel_size", run.rollout.tensor_model_parallel_size)]
-    if run.backend.strategy == "megatron":
+    if isinstance(run.backend, MegatronBackendConfig):
         sizes.append(("backend.tensor_model_parallel_size", run.backend.tensor_model_parallel_size))
     for key, tp in sizes:
         _check(
@@ -457,4 +470,24 @@ def steps_for(run: RunConfig, steps_per_epoch: int) -> int:
     return run.trainer.total_epochs * steps_per_epoch
 
 
-__all__ = ["RunConfig", "to_run_config", "validate", "check_model_shape", "steps_for"]
+def compose(overrides: list[str] = (), backend: str = "fsdp") -> RunConfig:
+    """The validated RunConfig that `python -m recipes.grpo +backend=<backend> <overrides>`
+    would run, composed with Hydra from conf/ (for tests, benchmarks and scripts)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    from hydra.core.hydra_config import HydraConfig
+
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = hydra_compose("grpo", overrides=[f"+backend={backend}", *overrides], return_hydra_config=True)
+    # ${hydra:...} interpolations (the experiment name) read the Hydra config, as in a real run.
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_run_config(cfg)
+
+
+__all__ = ["RunConfig", "compose", "to_run_config", "validate", "check_model_shape", "steps_for"]

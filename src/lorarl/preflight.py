@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config import VLLM_LORA_UNSUPPORTED, RunConfig, cache_dir
+from lorarl.engines import backend_of
 from lorarl.errors import ModelError, first_line
 
 # A hub id is "name" or "org/name"; anything else that does not exist is a mistyped local path.
@@ -204,8 +205,7 @@ def check_model(run: RunConfig):
     archs = check_causal_lm(m.path, hf_cfg)
     if not m.lora.merge:
         check_vllm_lora(m.path, archs)
-    if run.backend.strategy != "megatron":
-        # Megatron takes its own layer names (linear_qkv, ...) and maps HF ones itself.
+    if backend_of(run).checks_hf_lora_targets:
         check_lora_targets(m.path, hf_cfg, list(m.lora.target_modules), m.trust_remote_code)
     check_weights_format(m.path)
     return hf_cfg

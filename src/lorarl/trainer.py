@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from lorarl import algorithms
 from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
+from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.rewards import GSM8K_SOURCES, gsm8k
 from lorarl.tracking import Tracker, console, redact
@@ -86,11 +87,12 @@ class GRPOTrainer:
         self.group = None
         self.tracker = None
         self.device = resolve_device(run.trainer.device)
-        if run.backend.strategy == "megatron" and self.device != "cuda":
+        backend = backend_of(run)
+        if backend.needs_cuda and self.device != "cuda":
             from lorarl.errors import ConfigError
 
             why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"trainer.device={run.trainer.device}"
-            raise ConfigError(f"+backend=megatron requires CUDA ({why}); use +backend=fsdp to train on CPU")
+            raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
         prepare_model(run)
         prepare_data(run)
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
@@ -139,7 +141,7 @@ class GRPOTrainer:
             self.load_checkpoint(self.resume_from)
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.group.call("sync")[0]
+        first_sync = self.group.sync()[0]
         self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
         say(
             f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
@@ -171,7 +173,7 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=metrics["sync/kind"])
         bar.close()
         final = self.out_dir / "final_adapter"
-        self.group.call("export_adapter", str(final))
+        self.group.export_adapter(str(final))
         say(f"final adapter: {final}")
         if "jsonl" in t.logger:
             from lorarl.plot import plot
@@ -197,7 +199,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         tmp = self.ckpt.begin(self.step)
         try:
-            self.group.call("save_checkpoint", str(tmp))
+            self.group.save_checkpoint(str(tmp))
             write_json(
                 tmp / "trainer_state.json",
                 {"step": self.step, "loader": self.loader.state_dict(), "python_rng": _jsonable_rng(random.getstate())},
@@ -211,27 +213,30 @@ class GRPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         state = read_json(path / "trainer_state.json")
-        self.group.call("load_checkpoint", str(path))
+        self.group.load_checkpoint(str(path))
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"])
         random.setstate(_python_rng(state["python_rng"]))
 
     def train_step(self) -> dict:
+        """One GRPO step: three calls to the workers (generate; update; sync)."""
         r, d = self.run.rollout, self.run.data
         t_step = time.perf_counter()
         prompts = self.loader.next_batch()
+        # Prompts are split contiguously over replicas, so a prompt's n samples (its GRPO
+        # group) stay on one replica.
         shards = _split(prompts, self.group.dp_size)
         seed = self.run.trainer.seed * 1_000_003 + self.step
-        gen = self.group.call_dp(
-            "generate",
+        gen = self.group.generate(
             [
                 ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
                 for i, shard in enumerate(shards)
-            ],
+            ]
         )
         t_gen = max(seconds for _, seconds in gen)
 
-        per_worker, all_rewards, all_lengths = [], [], []
+        # Rewards and group-normalised advantages, on the driver.
+        per_replica, all_rewards, all_lengths = [], [], []
         for shard, (responses, _) in zip(shards, gen):
             p_ids, r_ids, rewards, groups = [], [], [], []
             for g, (item, samples) in enumerate(zip(shard, responses)):
@@ -243,19 +248,19 @@ class GRPOTrainer:
             adv = algorithms.grpo_advantages(
                 torch.tensor(rewards), torch.tensor(groups), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
-            per_worker.append((p_ids, r_ids, adv.tolist(), self.step))
+            # The parity probe reads one fixed sequence after every sync: each replica's first
+            # prompt and sample of step 1.
+            probe = (p_ids[0] + r_ids[0], len(p_ids[0])) if self.run.trainer.check_sync and self.step == 1 else None
+            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, probe))
             all_rewards += rewards
             all_lengths += [len(x) for x in r_ids]
-        if self.run.trainer.check_sync and self.step == 1:
-            # A fixed probe sequence: the first prompt and its first sample, kept for every later sync.
-            self.group.call("set_probe", per_worker[0][0][0] + per_worker[0][1][0], len(per_worker[0][0][0]))
 
+        # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
         t0 = time.perf_counter()
-        sleep_s = self.group.call("sleep")[0]
-        train = self.group.call_dp("train_step", per_worker)
+        train = self.group.update(per_replica)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
-        syncs = self.group.call("sync")
+        syncs = self.group.sync()
         t_sync_wall = time.perf_counter() - t0
 
         rewards_t = torch.tensor(all_rewards, dtype=torch.float32)
@@ -272,7 +277,6 @@ class GRPOTrainer:
         metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
         metrics["timing/gen"] = t_gen
         metrics["timing/train"] = t_update
-        metrics["timing/sleep"] = sleep_s
         metrics["timing/sync"] = t_sync_wall
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["data/epoch"] = self.loader.epoch
@@ -293,8 +297,7 @@ class GRPOTrainer:
         temperature = vk.temperature if vk.do_sample else 0.0
         shards = _split(self.val_items, self.group.dp_size)
         t0 = time.perf_counter()
-        gen = self.group.call_dp(
-            "generate",
+        gen = self.group.generate(
             [
                 ([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i)
                 for i, shard in enumerate(shards)

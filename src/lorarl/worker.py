@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig
+from lorarl.engines import backend_of
+from lorarl.engines.base import Engine, is_on_policy
 from lorarl.errors import SyncError
 from lorarl.sync import PayloadKind, SyncStats
 
@@ -75,7 +77,8 @@ class Worker:
             gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_model_parallel_size,
             load_format=r.load_format,
-            enforce_eager=r.enforce_eager,
+            # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
+            enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
             enable_sleep_mode=self._sleeps,
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
@@ -88,11 +91,11 @@ class Worker:
     @property
     def dp_rank(self) -> int:
         """Workers with the same dp_rank hold one model replica (tensor/pipeline parallel) and get the same data."""
-        return getattr(self.engine, "dp_rank", self.rank)
+        return self.engine.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return getattr(self.engine, "dp_size", self.world_size)
+        return self.engine.dp_size
 
     @property
     def _sleeps(self) -> bool:
@@ -111,16 +114,28 @@ class Worker:
 
     # ---- training ------------------------------------------------------------------------
 
-    def train_step(
-        self, prompts: list[list[int]], responses: list[list[int]], advantages: list[float], step: int
+    def update(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        advantages: list[float],
+        step: int,
+        probe: tuple[list[int], int] | None = None,
     ) -> dict:
-        """Old and reference log-probs, then the PPO update. Collective over all workers."""
-        timing = {}
-        pad = self.engine.pad_token_id
-        batch = build_batch(prompts, responses, pad, advantages)
-        t0 = time.perf_counter()
-        batch.old_logp = self.engine.log_probs(batch)
-        timing["timing/old_logp"] = time.perf_counter() - t0
+        """Sleep the rollout, then the PPO update on this replica's samples. Collective.
+
+        Old log-probs get their own pass only when the update is off-policy (several epochs or
+        mini-batches); reference log-probs only when the KL loss uses them. `probe` (token ids,
+        response start) fixes the sequence the parity probe reads after every sync.
+        """
+        timing = {"timing/sleep": self.sleep()}
+        if probe is not None:
+            self.probe_seq = (list(probe[0]), probe[1])
+        batch = build_batch(prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts)
+        if not is_on_policy(self.run):
+            t0 = time.perf_counter()
+            batch.old_logp = self.engine.log_probs(batch)
+            timing["timing/old_logp"] = time.perf_counter() - t0
         if self.run.actor.use_kl_loss:
             t0 = time.perf_counter()
             batch.ref_logp = self.engine.log_probs(batch, reference=True)
@@ -148,7 +163,9 @@ class Worker:
             stats.append(self._apply(payload, gather_s))
         if not self.run.model.lora.merge:
             method = "layered" if r.layered_summon else "bucketed"
-            payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method)
+            # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
+            dtype = getattr(torch, self.rollout.dtype)
+            payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method, dtype=dtype)
             stats.append(self._apply(payload, gather_s))
         if self._sleeps:
             t0 = time.perf_counter()
@@ -184,17 +201,12 @@ class Worker:
         torch.cuda.empty_cache()
         return time.perf_counter() - t0
 
-    def set_probe(self, token_ids: list[int], start: int) -> None:
-        self.probe_seq = (list(token_ids), start)
-
     @property
     def probe_tolerance(self) -> float:
         configured = self.run.trainer.check_sync_tolerance
         if configured is not None:
             return configured
-        # FSDP's mixed precision applies on GPU only; Megatron computes in model.dtype.
-        mixed = getattr(self.run.backend, "mixed_precision", "float32") if self.device.type == "cuda" else "float32"
-        trainer_fp32 = self.run.model.dtype == "float32" and mixed == "float32"
+        trainer_fp32 = self.engine.compute_dtype == torch.float32
         return 1e-3 if trainer_fp32 and self.rollout.dtype == "float32" else 0.15
 
     def probe(self) -> float:
@@ -266,15 +278,9 @@ class Worker:
         gc.collect()
 
 
-def make_engine(run: RunConfig, device: torch.device):
-    """The training engine the backend names; both expose the same methods to the worker."""
-    if run.backend.strategy == "megatron":
-        from lorarl.engines.megatron.engine import MegatronEngine
-
-        return MegatronEngine(run, device)
-    from lorarl.engines.fsdp import FSDPEngine
-
-    return FSDPEngine(run, device)
+def make_engine(run: RunConfig, device: torch.device) -> Engine:
+    """The training engine the backend names (lorarl.engines.BACKENDS)."""
+    return backend_of(run).engine_class()(run, device)
 
 
 # Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink

@@ -76,25 +76,42 @@ class WorkerGroup:
             for i in range(self.world_size)
         ]
         addr, port = self._get([self.workers[0].node_address.remote()])[0]
-        self.dp = self.call("setup", addr, port)  # (dp_rank, dp_size) per worker
+        self.dp = self._get([w.setup.remote(addr, port) for w in self.workers])  # (dp_rank, dp_size) per worker
         self.dp_size = self.dp[0][1]
 
-    def call_dp(self, method: str, per_replica_args: list[tuple]) -> list[Any]:
-        """One argument tuple per data-parallel replica, sent to every worker of that replica;
-        returns one result per replica (from its first worker)."""
-        results = self.call_each(method, [per_replica_args[dp_rank] for dp_rank, _ in self.dp])
+    # ---- the step: three round trips --------------------------------------------------------
+
+    def generate(self, per_replica: list[tuple]) -> list[tuple[list[list[list[int]]], float]]:
+        """Worker.generate(*args) with one argument tuple per data-parallel replica; one result
+        per replica."""
+        return self._per_replica([w.generate.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+
+    def update(self, per_replica: list[tuple]) -> list[dict]:
+        """Worker.update(*args) (sleep, log-probs, PPO update) per replica; one result per replica."""
+        return self._per_replica([w.update.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+
+    def sync(self) -> list[dict]:
+        """Worker.sync on every worker (wake, payloads, checks); one result per worker."""
+        return self._get([w.sync.remote() for w in self.workers])
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._get([w.save_checkpoint.remote(directory) for w in self.workers])
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._get([w.load_checkpoint.remote(directory) for w in self.workers])
+
+    def export_adapter(self, directory: str) -> None:
+        self._get([w.export_adapter.remote(directory) for w in self.workers])
+
+    def _per_replica(self, refs: list) -> list:
+        """Every worker's result awaited (collectives stay in lockstep); the first worker's of
+        each replica returned, in replica order."""
         first = {}
-        for (dp_rank, _), result in zip(self.dp, results):
+        for (dp_rank, _), result in zip(self.dp, self._get(refs)):
             first.setdefault(dp_rank, result)
         return [first[i] for i in range(self.dp_size)]
-
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
-        """The same call on every worker (collectives inside stay in lockstep)."""
-        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
-
-    def call_each(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
-        """One call per worker with its own arguments (e.g. its shard of prompts)."""
-        return self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args)])
 
     def _get(self, refs: list) -> list[Any]:
         import ray

@@ -79,6 +79,9 @@ def main(model_path: str, out: str) -> None:
     batch = build_batch(PROMPTS, RESPONSES, pad_id=0, advantages=[1.0, -1.0])
     policy = engine.log_probs(batch)
     reference = engine.log_probs(batch, reference=True)
+    # The layout the engine trains on: prompts right-aligned, responses from one column.
+    left = build_batch(PROMPTS, RESPONSES, pad_id=0, left_pad_prompts=True)
+    policy_left = engine.log_probs(left)
     batch.old_logp, batch.ref_logp = policy, reference
     metrics = engine.update(batch, step=1)
     after, _ = engine.export(PayloadKind.ADAPTER)
@@ -97,7 +100,13 @@ def main(model_path: str, out: str) -> None:
         save_file({k: v.contiguous() for k, v in base.items()}, str(out_dir / "base.safetensors"))
         save_file({k: v.contiguous() for k, v in merged.items()}, str(out_dir / "merged.safetensors"))
         save_file(
-            {"policy": policy.contiguous(), "reference": reference.contiguous(), "mask": batch.response_mask},
+            {
+                "policy": policy.contiguous(),
+                "reference": reference.contiguous(),
+                "mask": batch.response_mask,
+                "policy_left": policy_left.contiguous(),
+                "mask_left": left.response_mask,
+            },
             str(out_dir / "logprobs.safetensors"),
         )
         (out_dir / "result.json").write_text(

@@ -226,10 +226,9 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        if step == 1:
-            worker.set_probe(p_ids[0] + r_ids[0], len(p_ids[0]))
-        t_sleep = worker.sleep()
-        train = worker.train_step(p_ids, r_ids, adv, step)
+        probe = (p_ids[0] + r_ids[0], len(p_ids[0])) if step == 1 else None
+        train = worker.update(p_ids, r_ids, adv, step, probe)
+        t_sleep = train["timing/sleep"]
         t_sync0 = time.perf_counter()
         sync = worker.sync()
         t_sync = time.perf_counter() - t_sync0
@@ -240,7 +239,7 @@ def main() -> None:
                 "reward/mean": sum(rewards) / len(rewards),
                 "timing/gen": t_gen,
                 "timing/sleep": t_sleep,
-                "timing/old_logp": train["timing/old_logp"],
+                "timing/old_logp": train.get("timing/old_logp", 0.0),
                 "timing/ref_logp": train.get("timing/ref_logp", 0.0),
                 "timing/update": train["timing/update"],
                 "timing/sync_wall": t_sync,

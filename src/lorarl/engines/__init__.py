@@ -1,0 +1,54 @@
+"""Training backends: what each one is, in one table.
+
+`backend.strategy` (set by conf/backend/<name>.yaml) picks a row; nothing else in the code
+compares backend names. The engine classes are imported only when a worker builds one, so
+choosing FSDP never imports Megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorarl.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Backend:
+    option: str  # the +backend=<option> that selects it
+    engine: str  # "module:Class" implementing lorarl.engines.base.Engine
+    needs_cuda: bool
+    # HF projection names in model.lora.target_modules are checked against the checkpoint
+    # (Megatron's bridge maps its own names and checks them itself).
+    checks_hf_lora_targets: bool
+    # Devices that hold one model replica (and see the same data).
+    model_parallel_size: Callable[[Any], int]
+
+    def engine_class(self) -> type:
+        module, name = self.engine.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+BACKENDS: dict[str, Backend] = {
+    "fsdp2": Backend(
+        option="fsdp",
+        engine="lorarl.engines.fsdp:FSDPEngine",
+        needs_cuda=False,
+        checks_hf_lora_targets=True,
+        model_parallel_size=lambda b: 1,
+    ),
+    "megatron": Backend(
+        option="megatron",
+        engine="lorarl.engines.megatron.engine:MegatronEngine",
+        needs_cuda=True,
+        checks_hf_lora_targets=False,
+        model_parallel_size=lambda b: b.tensor_model_parallel_size * b.pipeline_model_parallel_size,
+    ),
+}
+
+
+def backend_of(run: RunConfig) -> Backend:
+    return BACKENDS[run.backend.strategy]

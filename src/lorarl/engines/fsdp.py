@@ -23,12 +23,14 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch
+from lorarl.batch import TrainBatch, position_ids
 from lorarl.config import RunConfig
+from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, plan_micro_batches, ppo_update
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.sync import PayloadKind, WeightPayload
 
@@ -102,32 +104,77 @@ class FSDPEngine:
             fully_shard(layer, mesh=mesh, **kwargs)
         fully_shard(peft_model, mesh=mesh, **kwargs)
         self.model = peft_model
-        self.lora_names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         warm = max(o.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
         self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
 
+    # ---- the Engine contract's plain facts ----------------------------------------------
+
     @property
     def pad_token_id(self) -> int:
         pad = self.model.config.pad_token_id
         return 0 if pad is None else int(pad)
 
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        # FSDP's mixed precision casts the gathered params on GPU only.
+        if self.device.type == "cuda" and self.run.backend.mixed_precision == "bfloat16":
+            return torch.bfloat16
+        return DTYPES[self.run.model.dtype]
+
+    # Responses start in one column, so logits are computed for the response columns only.
+    left_pad_prompts = True
+
+    def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
     # ---- forward -------------------------------------------------------------------------
 
     def _forward(
-        self, mb: TrainBatch, with_entropy: bool, temperature: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mb = mb.to(self.device)
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        logits = out.logits[:, :-1, :].float() / (self.temperature if temperature is None else temperature)
-        logp = algorithms.logprobs_from_logits(logits, mb.input_ids[:, 1:])
-        ent = algorithms.entropy_from_logits(logits) if with_entropy else None
-        return logp, ent
+        self, mb: TrainBatch, temperature: float, entropy: EntropyMode
+    ) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
+        """(the micro-batch as run, log-probs [b, T], entropy [b, T] or None).
+
+        Columns that are padding in every row are dropped, and the LM head runs only from the
+        first column that predicts a response token: at a 152k vocabulary the head is a large
+        share of the forward, and its logits the largest activation.
+        """
+        mb = mb.trimmed().to(self.device)
+        ids, attn = mb.input_ids, mb.attention_mask
+        cols = mb.response_mask.bool().any(0).nonzero()
+        first = int(cols[0]) if cols.numel() else ids.shape[1] - 2
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=position_ids(attn),
+            use_cache=False,
+            logits_to_keep=ids.shape[1] - first,
+        )
+        logits = out.logits[:, :-1]  # positions first .. L-2, each predicting the next token
+        labels = ids[:, first + 1 :]
+        logp = F.pad(algorithms.logprobs_from_logits(logits, labels, temperature), (first, 0))
+        ent = None
+        if entropy == "grad":
+            ent = F.pad(algorithms.entropy_from_logits(logits, temperature), (first, 0))
+        elif entropy == "metric":
+            with torch.no_grad():
+                ent = F.pad(algorithms.entropy_from_logits(logits.detach(), temperature), (first, 0))
+        return mb, logp, ent
 
     @torch.no_grad()
     def log_probs(
@@ -136,84 +183,53 @@ class FSDPEngine:
         """Log-probs of every next token at the rollout temperature (or `temperature`);
         `reference=True` runs the base with the adapter disabled."""
         self.model.eval()
+        temp = self.temperature if temperature is None else temperature
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
-        outs = []
         with ctx:
-            for mb in batch.chunks(self.run.actor.ppo_micro_batch_size_per_gpu):
-                outs.append(self._forward(mb, with_entropy=False, temperature=temperature)[0].cpu())
-        return _cat_padded(outs)
+            for rows in plan_micro_batches(self, batch, self.run):
+                mb = batch.select(rows)
+                first, last = mb.trim_span()
+                _, logp, _ = self._forward(mb, temp, entropy="none")
+                out[rows, first : last - 1] = logp.float().cpu()
+        return out
 
     # ---- update --------------------------------------------------------------------------
 
     def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        """PPO-clip epochs over mini-batches with gradient accumulation over micro-batches."""
-        a = self.run.actor
-        self.model.train()
-        mini = a.ppo_mini_batch_size * self.run.rollout.n // self.world
-        micro = a.ppo_micro_batch_size_per_gpu
-        sums: dict[str, list[float]] = {}
-        gen = torch.Generator().manual_seed(self.run.trainer.seed * 100003 + step)
-        for _ in range(a.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen)
-            shuffled = batch.select(order)
-            for mb_start in range(0, len(batch), mini):
-                minibatch = shuffled.select(slice(mb_start, mb_start + mini))
-                n_micro = math.ceil(len(minibatch) / micro)
-                for i, mb in enumerate(minibatch.chunks(micro)):
-                    self.model.set_requires_gradient_sync(i == n_micro - 1)
-                    metrics = self._micro_step(mb, scale=len(mb) / len(minibatch))
-                    for k, v in metrics.items():
-                        sums.setdefault(k, []).append(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.requires_grad], a.grad_clip
-                )
-                if isinstance(grad_norm, DTensor):
-                    grad_norm = grad_norm.full_tensor()
-                grad_norm = float(grad_norm)
-                if not math.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise TrainingError(f"step {step}: grad norm is {grad_norm}; stopping before the update is applied")
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                sums.setdefault("actor/grad_norm", []).append(grad_norm)
-        self.scheduler.step()
-        result = {k: sum(v) / len(v) for k, v in sums.items()}
-        result["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return result
+        return ppo_update(self, batch, step, self.run)
 
-    def _micro_step(self, mb: TrainBatch, scale: float) -> dict[str, float]:
-        a = self.run.actor
-        logp, ent = self._forward(mb, with_entropy=True)
-        mb = mb.to(self.device)
-        mask = mb.response_mask[:, : logp.shape[1]]
-        old = mb.old_logp[:, : logp.shape[1]]
-        pg_loss, pg_metrics = algorithms.policy_loss(
-            logp,
-            old,
-            mb.advantages,
-            mask,
-            clip_ratio_low=self.run.clip_low,
-            clip_ratio_high=self.run.clip_high,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode,
-        )
-        entropy = algorithms.agg_loss(ent, mask, a.loss_agg_mode)
-        loss = pg_loss - a.entropy_coeff * entropy
-        kl_loss = torch.zeros((), device=logp.device)
-        if a.use_kl_loss:
-            kl = algorithms.kl_penalty(logp, mb.ref_logp[:, : logp.shape[1]], a.kl_loss_type)
-            kl_loss = algorithms.agg_loss(kl, mask, a.loss_agg_mode)
-            loss = loss + a.kl_loss_coef * kl_loss
-        if not torch.isfinite(loss):
-            raise TrainingError(f"loss is {float(loss)} (pg {float(pg_loss)}, kl {float(kl_loss)}); stopping")
-        (loss * scale).backward()
-        out = {
-            "actor/pg_loss": pg_loss.item(),
-            "actor/kl_loss": kl_loss.item(),
-            "actor/entropy": entropy.item(),
-        }
-        out.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
-        return out
+    def forward_backward(
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+    ) -> list[dict[str, float]]:
+        self.model.train()
+        metrics = []
+        for i, mb in enumerate(micro):
+            # Reduce-scatter the gradients once, after the last micro-batch.
+            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            ran, logp, ent = self._forward(mb, self.temperature, entropy)
+            loss, m = loss_fn(ran, logp, ent)
+            loss.backward()
+            metrics.append(m)
+        return metrics
+
+    def optimizer_step(self, step: int) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.run.actor.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        try:
+            check_grad_norm(float(grad_norm), step)
+        except TrainingError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def end_step(self) -> float:
+        used = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return used
 
     # ---- export --------------------------------------------------------------------------
 
@@ -228,8 +244,11 @@ class FSDPEngine:
         cfg["base_model_name_or_path"] = self.run.model.path
         return {k: v for k, v in cfg.items() if _jsonable(v)}
 
-    def export(self, kind: PayloadKind, method: str = "bucketed") -> tuple[WeightPayload, float]:
-        """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call)."""
+    def export(
+        self, kind: PayloadKind, method: str = "bucketed", dtype: torch.dtype | None = None
+    ) -> tuple[WeightPayload, float]:
+        """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call).
+        Adapter tensors are cast to `dtype` (the rollout's) before they leave the device."""
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
             gather = {
@@ -237,20 +256,20 @@ class FSDPEngine:
                 "layered": self._adapter_layered,
                 "per_param": self._adapter_per_param,
             }
-            tensors = gather[method]()
+            tensors = gather[method](dtype)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
         return WeightPayload.base(self._base_stream(merge=merge)), time.perf_counter() - t0
 
-    def _adapter_per_param(self) -> dict[str, torch.Tensor]:
+    def _adapter_per_param(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 full = p.full_tensor() if isinstance(p, DTensor) else p
-                out[_peft_name(name)] = full.detach().to("cpu", copy=True)
+                out[_peft_name(name)] = full.detach().to("cpu", dtype=dtype, copy=True)
         return out
 
-    def _adapter_layered(self) -> dict[str, torch.Tensor]:
+    def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         with torch.no_grad():
             for prefix, unit in _fsdp_units(self.model):
@@ -261,11 +280,11 @@ class FSDPEngine:
                 # Unsharded params are swapped in only while unsharded: read them now.
                 for n, p in _own_params(unit):
                     if "lora_" in n:
-                        out[_peft_name(prefix + n)] = p.detach().to("cpu", copy=True)
+                        out[_peft_name(prefix + n)] = p.detach().to("cpu", dtype=dtype, copy=True)
                 unit.reshard()
         return out
 
-    def _adapter_bucketed(self) -> dict[str, torch.Tensor]:
+    def _adapter_bucketed(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """One all-gather of all LoRA shards: every rank pads its dim-0 chunk to ceil(rows/world)."""
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         pieces, layout = [], []
@@ -294,7 +313,7 @@ class FSDPEngine:
             # host: reassembling the strided blocks on the CPU made this 6x slower than the
             # layered gather on 2 x H200 at 7B (bench/results/gpu_2026-11-30).
             block = gathered[:, offset : offset + width].reshape(self.world * chunk, cols)[: shape[0]]
-            out[_peft_name(name)] = block.reshape(shape).to("cpu", copy=True)
+            out[_peft_name(name)] = block.reshape(shape).to("cpu", dtype=dtype, copy=True)
             offset += width
         return out
 
@@ -397,8 +416,3 @@ def _peft_name(param_name: str) -> str:
 def _hf_name(param_name: str) -> str:
     name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
     return name.replace(".base_layer.", ".")
-
-
-def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
-    width = max(c.shape[1] for c in chunks)
-    return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])

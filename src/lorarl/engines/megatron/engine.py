@@ -3,25 +3,18 @@
 One instance per rank; every method is collective over the ranks of the job (they all call it
 with the same model-parallel group data). Data parallel size is world / (TP x PP): ranks of the
 same TP/PP group must receive the same micro-batches (`dp_rank` / `dp_size` say which share).
+Implements lorarl.engines.base.Engine; the PPO update is the shared one, this class supplies
+the forward/backward through Megatron's pipeline schedule.
 
-Verification status:
-- Run on 2 x H200 (megatron-core 0.19.2, megatron-bridge 0.6.2, no TransformerEngine, so the
-  local spec through te_standin) by tests/gpu/test_megatron_gpu.py, logs in tests/gpu_logs/:
-  TP=1, TP=2 (fp32 and bf16), PP=2 and full recompute, each with Megatron DDP + distributed
-  optimizer, 3 PPO updates through the forward_backward schedule, log-probs (adapter on and
-  under disable_adapter) against HF + PEFT, and base / adapter / merged exports.
-- Every import and keyword argument is also checked against the released sources on CPU
-  (tests/test_megatron_engine_source.py).
-- NOT run anywhere: the TransformerEngine spec and sequence parallelism (need TE), fp16,
-  entropy_coeff != 0 with TP > 1 (the vocab gather), virtual pipeline stages, and the whole
-  mbridge path incl. merged_lora_view (mbridge builds TE layers only).
+Not supported here: the TransformerEngine spec and sequence parallelism need TransformerEngine
+(the local spec runs through te_standin), fp16 and virtual pipeline stages are untested, and the
+mbridge path (merged_lora_view) builds TransformerEngine layers only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -30,11 +23,13 @@ from typing import Any
 
 import torch
 
+from lorarl.batch import TrainBatch
+from lorarl.config import RunConfig
+from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, plan_micro_batches, ppo_update
 from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
     check_megatron,
-    get,
     peft_adapter_config,
     peft_spec,
     provider_plan,
@@ -43,6 +38,8 @@ from lorarl.engines.megatron.config_map import (
 from lorarl.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
+
+_NO_CHECKPOINTS = "resuming from a checkpoint is not supported with +backend=megatron yet; use +backend=fsdp"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,25 +56,28 @@ class MegatronEngine:
     """Policy with LoRA on megatron-core: log-probs (with and without the adapter), PPO update,
     weight export. Same interface as lorarl.engines.fsdp.FSDPEngine."""
 
-    def __init__(self, run: Any, device: torch.device | None = None) -> None:
+    # Megatron's local attention is causal-only: rows are right-padded (check_right_padded).
+    left_pad_prompts = False
+
+    def __init__(self, run: RunConfig, device: torch.device | None = None) -> None:
         require_cuda()
         self.run = run
         self.model_cfg, self.actor, self.backend = run.model, run.actor, run.backend
         self.lora = self.model_cfg.lora
         self.path = self.model_cfg.path
-        self.dtype_name = get(self.model_cfg, "dtype", "bfloat16")
-        rollout = getattr(run, "rollout", None)
-        t = float(get(rollout, "temperature", 1.0)) if rollout is not None else 1.0
+        self.dtype_name = self.model_cfg.dtype
+        self.compute_dtype = DTYPES[self.dtype_name]
+        t = run.rollout.temperature
         self.temperature = t if t > 0 else 1.0
 
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
         self.pad_token_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
-        self.tp = int(get(self.backend, "tensor_model_parallel_size", 1))
-        self.pp = int(get(self.backend, "pipeline_model_parallel_size", 1))
-        self.sp = bool(get(self.backend, "sequence_parallel", False))
-        self.impl = get(self.backend, "transformer_impl", "local")
+        self.tp = self.backend.tensor_model_parallel_size
+        self.pp = self.backend.pipeline_model_parallel_size
+        self.sp = self.backend.sequence_parallel
+        self.impl = self.backend.transformer_impl
         self.peft_spec = peft_spec(self.lora)
         if self.peft_spec.widened:
             log.warning(
@@ -85,8 +85,7 @@ class MegatronEngine:
                 "to adapt only the listed projections",
                 ",".join(self.peft_spec.widened),
             )
-        seed = int(get(getattr(run, "trainer", None) or {}, "seed", 1))
-        self._init_parallel(device, seed)
+        self._init_parallel(device, run.trainer.seed)
         import torch.distributed as dist
 
         check_megatron(
@@ -104,6 +103,7 @@ class MegatronEngine:
         self.model, self.peft, self.bridge = self._build()
         self.optimizer = self._build_optimizer()
         self._steps = 0
+        self._lr = self._lr_at(0)
         self._causal_masks: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ setup
@@ -148,7 +148,7 @@ class MegatronEngine:
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             overlap_param_gather=False,
-            use_distributed_optimizer=bool(get(self.backend, "use_distributed_optimizer", True)),
+            use_distributed_optimizer=self.backend.use_distributed_optimizer,
             check_for_nan_in_grad=True,
         )
         model = provider.provide_distributed_model(
@@ -162,7 +162,7 @@ class MegatronEngine:
             raise ConfigError(
                 f"model.lora.target_modules={list(self.lora.target_modules)} matched no Megatron linear; nothing to train"
             )
-        if get(self.backend, "bridge", "megatron_bridge") == "mbridge":
+        if self.backend.bridge == "mbridge":
             bridge = self._mbridge_adapter()
         else:
             bridge = MegatronBridgeAdapter(auto, cpu=False)
@@ -170,7 +170,7 @@ class MegatronEngine:
 
     def _mbridge_adapter(self) -> MBridgeAdapter:
         """UNVERIFIED: mbridge export over the Megatron-Bridge-built model (TE spec only)."""
-        if get(self.lora, "type", "lora") != "lora":
+        if self.lora.type != "lora":
             raise ConfigError("backend.bridge=mbridge supports model.lora.type=lora only (its merged export)")
         from mbridge import AutoBridge as MAutoBridge
 
@@ -185,19 +185,18 @@ class MegatronEngine:
         from megatron.core.utils import get_model_config
 
         optim = self.actor.optim
-        betas = list(get(optim, "betas", [0.9, 0.999]))
         config = OptimizerConfig(
             optimizer="adam",
             lr=float(optim.lr),
             min_lr=float(optim.lr),
-            weight_decay=float(get(optim, "weight_decay", 0.0)),
-            adam_beta1=float(betas[0]),
-            adam_beta2=float(betas[1]),
-            clip_grad=float(get(self.actor, "grad_clip", 1.0)),
+            weight_decay=float(optim.weight_decay),
+            adam_beta1=float(optim.betas[0]),
+            adam_beta2=float(optim.betas[1]),
+            clip_grad=float(self.actor.grad_clip),
             bf16=self.dtype_name == "bfloat16",
             fp16=self.dtype_name == "float16",
             params_dtype=DTYPES[self.dtype_name],
-            use_distributed_optimizer=bool(get(self.backend, "use_distributed_optimizer", True)),
+            use_distributed_optimizer=self.backend.use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(config, self.model)
         model_config = get_model_config(self.model[0])
@@ -240,7 +239,7 @@ class MegatronEngine:
         return torch.nn.functional.pad(ids, (0, extra)) if extra else ids
 
     def _token_logp(
-        self, output: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: str | None
+        self, output: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: EntropyMode
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(token t+1) [b, L-1] from vocab-parallel logits [b, W, V/tp], and the entropy
         when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
@@ -253,7 +252,7 @@ class MegatronEngine:
         # its input in place, which must not be the model's output.
         logits = output[:, : length - 1].float() / temperature
         ent = None
-        if entropy is not None:
+        if entropy != "none":
             with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
                 src = logits if entropy == "grad" else logits.detach()
                 full = gather_from_tensor_model_parallel_region(src) if self.tp > 1 else src
@@ -297,8 +296,19 @@ class MegatronEngine:
             )
         return t
 
+    def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.ps.get_data_parallel_group()
+        )
+        return t.tolist()
+
     @torch.no_grad()
-    def log_probs(self, batch: Any, *, reference: bool = False, temperature: float | None = None) -> torch.Tensor:
+    def log_probs(
+        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
+    ) -> torch.Tensor:
         """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.batch.TrainBatch.
 
         reference=True is the reference policy: the same model under PEFT's disable_adapter
@@ -306,24 +316,25 @@ class MegatronEngine:
         """
         temp = self.temperature if temperature is None else temperature
         check_right_padded(batch.attention_mask)
-        size = int(get(self.actor, "ppo_micro_batch_size_per_gpu", 4))
         dev = torch.device("cuda", torch.cuda.current_device())
-        ids = self._padded(batch.input_ids.to(dev))
-        micro = list(torch.split(ids, size))
+        groups = plan_micro_batches(self, batch, self.run)
+        micro = [batch.select(g).to(dev) for g in groups]
+        ids = [self._padded(m.input_ids) for m in micro]
         length = batch.input_ids.shape[1]
 
         def loss_fn(index: int, output: torch.Tensor):
-            logp, _ = self._token_logp(output, micro[index][:, :length], temp, None)
+            logp, _ = self._token_logp(output, micro[index].input_ids, temp, "none")
             return torch.zeros((), device=logp.device), {"logp": logp}
 
         for m in self.model:
             m.eval()
         ctx = self.peft.disable_adapter(self.model) if reference else contextlib.nullcontext()
         with ctx:
-            outs = self._run(micro, loss_fn, forward_only=True)
-        result = torch.zeros(ids.shape[0], length - 1, dtype=torch.float32, device=dev)
+            outs = self._run(ids, loss_fn, forward_only=True)
+        result = torch.zeros(len(batch), length - 1, dtype=torch.float32, device=dev)
         if self.is_last_stage:
-            result.copy_(torch.cat([o["logp"] for o in outs], dim=0))
+            for g, o in zip(groups, outs):
+                result[g] = o["logp"]
         return self._broadcast_from_last_stage(result).cpu()
 
     @contextlib.contextmanager
@@ -333,120 +344,64 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, batch: Any, step: int) -> dict[str, float]:
-        """PPO-clip epochs over shuffled mini-batches, one optimizer step each (as FSDPEngine).
-
-        `batch` is this data-parallel replica's share (see dp_rank); every rank of the replica
-        passes the same one.
-        """
-        a = self.actor
+    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
         check_right_padded(batch.attention_mask)
-        n_rollout = int(get(getattr(self.run, "rollout", None) or {}, "n", 1))
-        mini = max(1, int(get(a, "ppo_mini_batch_size", len(batch))) * n_rollout // self.dp_size)
-        gen = torch.Generator().manual_seed(
-            int(get(getattr(self.run, "trainer", None) or {}, "seed", 1)) * 100003 + step
-        )
-        sums: dict[str, list[float]] = {}
-        for _ in range(int(get(a, "ppo_epochs", 1))):
-            order = torch.randperm(len(batch), generator=gen)
-            shuffled = batch.select(order)
-            for start in range(0, len(batch), mini):
-                for k, v in self._train_mini_batch(shuffled.select(slice(start, start + mini)), step).items():
-                    sums.setdefault(k, []).append(v)
-        result = {k: sum(v) / len(v) for k, v in sums.items()}
-        result["actor/lr"] = self._lr()
-        self._steps += 1
-        return result
+        return ppo_update(self, batch, step, self.run)
 
-    def _lr(self) -> float:
-        lr = float(self.actor.optim.lr)
-        warmup = int(get(self.actor.optim, "warmup_steps", 0))
-        return lr * min(1.0, (self._steps + 1) / warmup) if warmup > 0 else lr
-
-    def _train_mini_batch(self, mb_all: Any, step: int) -> dict[str, float]:
-        from lorarl.algorithms import agg_loss, kl_penalty, policy_loss
-
-        a = self.actor
-        use_kl = bool(get(a, "use_kl_loss", False))
-        ent_coef = float(get(a, "entropy_coeff", 0.0))
-        clip = float(get(a, "clip_ratio", 0.2))
-        low, high = get(a, "clip_ratio_low", None), get(a, "clip_ratio_high", None)
-        clip_low = clip if low is None else float(low)
-        clip_high = clip if high is None else float(high)
-        mode = get(a, "loss_agg_mode", "token-mean")
-        if use_kl and mb_all.ref_logp is None:
-            raise ConfigError("actor.use_kl_loss=true but the batch has no ref_logp")
+    def forward_backward(
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+    ) -> list[dict[str, float]]:
         dev = torch.device("cuda", torch.cuda.current_device())
-        size = int(get(a, "ppo_micro_batch_size_per_gpu", 4))
-        parts = [p.to(dev) for p in mb_all.chunks(size)]
-        micro = [self._padded(p.input_ids) for p in parts]
-        total = len(mb_all)
-        # Megatron divides each micro-batch loss by their count; FSDPEngine weighs each by its
-        # share of the mini-batch. This factor makes the two identical for uneven splits too.
-        weights = [len(p) * len(parts) / total for p in parts]
+        parts = [p.to(dev) for p in micro]
         # The entropy metric needs the full vocabulary; with TP that is a gather, so it is only
         # paid for when the entropy is part of the loss.
-        entropy_mode = "grad" if ent_coef != 0.0 else ("metric" if self.tp == 1 else None)
+        if entropy == "metric" and self.tp > 1:
+            entropy = "none"
 
-        def loss_fn(index: int, output: torch.Tensor):
+        def megatron_loss(index: int, output: torch.Tensor):
             p = parts[index]
-            logp, ent = self._token_logp(output, p.input_ids, self.temperature, entropy_mode)
-            mask = p.response_mask[:, : logp.shape[1]]
-            pg_loss, pg_metrics = policy_loss(
-                logp,
-                p.old_logp[:, : logp.shape[1]],
-                p.advantages,
-                mask,
-                clip_ratio_low=clip_low,
-                clip_ratio_high=clip_high,
-                clip_ratio_c=get(a, "clip_ratio_c", None),
-                loss_agg_mode=mode,
-            )
-            loss = pg_loss
-            metrics = {f"actor/{k}": float(v) for k, v in pg_metrics.items()}
-            metrics["actor/pg_loss"] = float(pg_loss.detach())
-            if ent is not None:
-                entropy = agg_loss(ent, mask, mode)
-                loss = loss - ent_coef * entropy
-                metrics["actor/entropy"] = float(entropy.detach())
-            if use_kl:
-                kl = agg_loss(
-                    kl_penalty(logp, p.ref_logp[:, : logp.shape[1]], get(a, "kl_loss_type", "low_var_kl")), mask, mode
-                )
-                loss = loss + float(get(a, "kl_loss_coef", 0.001)) * kl
-                metrics["actor/kl_loss"] = float(kl.detach())
-            if not torch.isfinite(loss):
-                raise TrainingError(f"step {step}: loss is {float(loss)}; stopping")
-            return loss * weights[index], metrics
+            logp, ent = self._token_logp(output, p.input_ids, self.temperature, entropy)
+            loss, metrics = loss_fn(p, logp, ent)
+            # Megatron's schedule divides each micro-batch's loss by their count; loss_fn's
+            # losses are already normalised over the mini-batch.
+            return loss * len(parts), metrics
 
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = self._run(micro, loss_fn, forward_only=False)
-        lr = self._lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        ok, grad_norm, _ = self.optimizer.step()
-        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        if not ok or not math.isfinite(grad_norm):
-            raise TrainingError(f"step {step}: grad norm is {grad_norm}; the update was skipped, stopping")
-        metrics: dict[str, float] = {}
-        if self.is_last_stage and outs:
-            for key in outs[0]:
-                metrics[key] = sum(o[key] for o in outs) / len(outs)
+        outs = self._run([self._padded(p.input_ids) for p in parts], megatron_loss, forward_only=False)
         if self.pp > 1:
             import torch.distributed as dist
 
-            box = [metrics]
+            box = [outs if self.is_last_stage else None]
             dist.broadcast_object_list(
                 box,
                 src=self.ps.get_pipeline_model_parallel_last_rank(),
                 group=self.ps.get_pipeline_model_parallel_group(),
             )
-            metrics = box[0]
-        metrics["actor/grad_norm"] = grad_norm
-        return metrics
+            outs = box[0]
+        return list(outs)
+
+    def optimizer_step(self, step: int) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        ok, grad_norm, _ = self.optimizer.step()
+        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        if not ok:
+            raise TrainingError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm}); stopping")
+        return check_grad_norm(grad_norm, step)
+
+    def end_step(self) -> float:
+        used = self._lr
+        self._steps += 1
+        self._lr = self._lr_at(self._steps)
+        return used
+
+    def _lr_at(self, steps: int) -> float:
+        """Linear warm-up over optim.warmup_steps trainer steps, then constant (as FSDPEngine)."""
+        lr, warmup = float(self.actor.optim.lr), self.actor.optim.warmup_steps
+        return lr * min(1.0, (steps + 1) / warmup) if warmup > 0 else lr
 
     # ------------------------------------------------------------------ export
 
@@ -455,7 +410,7 @@ class MegatronEngine:
         cfg["base_model_name_or_path"] = self.path
         return cfg
 
-    def export(self, kind: Any, method: str = "bridge") -> tuple[Any, float]:
+    def export(self, kind: Any, method: str = "bridge", dtype: torch.dtype | None = None) -> tuple[Any, float]:
         """(WeightPayload of `kind`, gather seconds); collective, all ranks get full tensors.
 
         ADAPTER: export_adapter_weights, PEFT names. BASE: the pure base
@@ -466,7 +421,7 @@ class MegatronEngine:
 
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
-            tensors = dict(self.bridge.export_adapter(self.model))
+            tensors = {k: v if dtype is None else v.to(dtype) for k, v in self.bridge.export_adapter(self.model)}
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         if kind is PayloadKind.BASE:
             stream = self.bridge.export_merged(self.model) if self.lora.merge else self.bridge.export_base(self.model)
@@ -476,6 +431,17 @@ class MegatronEngine:
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective)."""
         return {k: v.cpu() for k, v in self.bridge.export_adapter(self.model)} if self.bridge.supports_adapter else {}
+
+    # Mid-run checkpoints are refused for this backend when the config is validated
+    # (trainer.save_freq); resuming would need the adapter put back into Megatron's TP shards.
+    def optimizer_state(self) -> dict:
+        raise ConfigError(_NO_CHECKPOINTS)
+
+    def scheduler_state(self) -> dict:
+        return {"steps": self._steps}
+
+    def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None) -> None:
+        raise ConfigError(_NO_CHECKPOINTS)
 
     def lora_shards(self) -> dict[str, list[torch.Tensor]]:
         """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP).
