@@ -97,7 +97,7 @@ class RolloutConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
-    adapter_transport: str = "tmpfs"
+    adapter_transport: str = "memory"
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 

@@ -5,8 +5,7 @@ base keeps its load dtype while LoRA weights and optimizer state stay float32 (F
 asks trainable params to share a dtype). The reference policy is this same model under
 `disable_adapter()`: no second model is built.
 
-Export is where the seed bugs lived, so it is explicit: `export(kind)` returns a
-`WeightPayload` whose kind the caller chose. Adapter tensors can be gathered three ways:
+Export is explicit: `export(kind)` returns a `WeightPayload` whose kind the caller chose. Adapter tensors can be gathered three ways:
 - bucketed (default): one all-gather of every rank's local LoRA shards, never touching base
   weights;
 - layered (`rollout.layered_summon`): unshard one FSDP unit at a time, copy its LoRA params;

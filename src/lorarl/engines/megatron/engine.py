@@ -117,7 +117,7 @@ class MegatronEngine:
         elif not dist.is_initialized():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            # provide_distributed_model would otherwise do this itself, silently (notes §1.1).
+            # Ours, explicitly: provide_distributed_model would otherwise create one silently.
             dist.init_process_group("nccl")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
