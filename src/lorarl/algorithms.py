@@ -12,7 +12,9 @@ from torch.utils.checkpoint import checkpoint
 from lorarl.errors import ConfigError
 
 KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("vanilla", "gspo")
+ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask")
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
 # turns into NaN gradients even where a later clamp hides the value.
@@ -139,7 +141,13 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ConfigError(f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}")
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, denom: float | None = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    denom: float | None = None,
+    norm_len: int | None = None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over the tokens mask keeps.
 
     Without `denom` the mean is over this tensor alone. With it, the sum over kept tokens
@@ -148,14 +156,19 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, denom: float
     divided by the data-parallel size, so that micro-batches of any size add up, after the
     gradient average over ranks, to the mean over the mini-batch. Sequence modes count only
     sequences with at least one kept token, so fully-masked padding rows dilute nothing.
+    seq-mean-token-sum-norm (Dr. GRPO) divides each sequence's token sum by one constant,
+    `norm_len` (the maximum response length; default T), so no length is favoured.
     """
     if mode not in AGG_MODES:
         raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask) if denom is None else masked_sum(loss_mat, mask) / denom
-    per_seq = (
-        masked_sum(loss_mat, mask, dim=-1) if mode == "seq-mean-token-sum" else masked_mean(loss_mat, mask, dim=-1)
-    )
+    if mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_mat, mask, dim=-1)
+    else:
+        per_seq = masked_sum(loss_mat, mask, dim=-1)
+        if mode == "seq-mean-token-sum-norm":
+            per_seq = per_seq / float(norm_len or loss_mat.shape[-1])
     has_tokens = mask.bool().any(dim=-1)
     return masked_mean(per_seq, has_tokens) if denom is None else masked_sum(per_seq, has_tokens) / denom
 
@@ -175,19 +188,31 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     denom: float | None = None,
+    norm_len: int | None = None,
+    mode: str = "vanilla",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate loss (optionally dual-clip) and its diagnostics.
 
     advantages may be per sequence [B] (GRPO outcome reward) or per token [B, T].
+    mode "vanilla": the per-token ratio pi/pi_old. mode "gspo": one ratio per sequence, the
+    length-normalised exp(mean_t log(pi/pi_old)), clipped as a whole; each token carries it
+    with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it.
+    `weights` [B, T] (detached; e.g. rollout-mismatch importance weights) multiply the per-token loss.
     Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
     of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip).
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ConfigError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable")
+    if mode not in POLICY_LOSSES:
+        raise ConfigError(f"actor.policy_loss={mode!r} is unknown; use one of {', '.join(POLICY_LOSSES)}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
-    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    log_ratio = logp - old_logp
+    if mode == "gspo":
+        seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
+        log_ratio = logp - logp.detach() + seq_log_ratio
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
@@ -199,12 +224,80 @@ def policy_loss(
         capped = negative & (loss_mat > cap)
         clipfrac_lower = masked_mean(capped.float(), mask)
         loss_mat = torch.where(negative, torch.minimum(loss_mat, cap), loss_mat)
-    loss = agg_loss(loss_mat, mask, loss_agg_mode, denom)
+    if weights is not None:
+        loss_mat = loss_mat * weights
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, denom, norm_len)
     metrics = {
         # This micro-batch's own mean, comparable across micro-batch sizes (the loss is not).
-        "pg_loss": float(agg_loss(loss_mat.detach(), mask, loss_agg_mode)),
+        "pg_loss": float(agg_loss(loss_mat.detach(), mask, loss_agg_mode, None, norm_len)),
         "pg_clipfrac": float(clipfrac),
         "ppo_kl": float(masked_mean(-(logp - old_logp).detach(), mask)),
         "pg_clipfrac_lower": float(clipfrac_lower),
     }
     return loss, metrics
+
+
+def rollout_correction(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str | None,
+    threshold: float = 2.0,
+    lower: float | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """Correction for the gap between the sampler's and the trainer's probabilities of the
+    sampled tokens: (loss weights or None, the mask to train on, metrics).
+
+    ratio = pi_trainer / pi_rollout per token (sequence: the product). token_tis / seq_tis:
+    truncated importance weights min(ratio, threshold). token_mask / seq_mask: tokens /
+    sequences whose ratio leaves [lower, threshold] are dropped from the loss (lower defaults
+    to 1 / threshold). Metrics whatever the mode: kl (k3 estimate of KL(rollout || trainer)
+    over kept response tokens), ratio_max (largest token ratio), masked_frac (response tokens
+    dropped).
+    """
+    if mode is not None and mode not in ROLLOUT_CORRECTIONS:
+        raise ConfigError(
+            f"algorithm.rollout_correction.mode={mode!r} is unknown; use null or one of {', '.join(ROLLOUT_CORRECTIONS)}"
+        )
+    lower = 1.0 / threshold if lower is None else lower
+    keep = mask.bool()
+    log_ratio = torch.where(keep, old_logp - rollout_logp, torch.zeros((), dtype=old_logp.dtype)).detach()
+    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    seq_ratio = torch.exp(log_ratio.sum(-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).unsqueeze(-1).expand_as(ratio)
+    weights, new_mask = None, keep
+    if mode == "token_tis":
+        weights = ratio.clamp(max=threshold)
+    elif mode == "seq_tis":
+        weights = seq_ratio.clamp(max=threshold)
+    elif mode == "token_mask":
+        new_mask = keep & (ratio >= lower) & (ratio <= threshold)
+    elif mode == "seq_mask":
+        new_mask = keep & (seq_ratio >= lower) & (seq_ratio <= threshold)
+    # k3 of KL(rollout || trainer) from rollout samples: r = log(pi_trainer / pi_rollout).
+    k3 = torch.exp(log_ratio) - log_ratio - 1
+    n = keep.sum().clamp(min=1)
+    metrics = {
+        "kl": float(masked_mean(k3, keep)),
+        "ratio_max": float(torch.where(keep, ratio, torch.zeros((), dtype=ratio.dtype)).max()) if keep.any() else 1.0,
+        "masked_frac": float((keep & ~new_mask).sum() / n),
+    }
+    return weights, new_mask.to(mask.dtype), metrics
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, penalty_factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_length - buffer, then falling linearly to
+    -penalty_factor at max_length."""
+    exceed = length - (max_length - buffer)
+    return min(-exceed / buffer * penalty_factor, 0.0) if buffer > 0 else 0.0
+
+
+def groups_with_signal(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[G] bool over sorted unique group ids: True where the group's rewards are not all equal
+    (DAPO's dynamic sampling keeps only those; an all-equal group has zero advantage)."""
+    _, inv = torch.unique(group_index, return_inverse=True)
+    n = int(inv.max()) + 1 if inv.numel() else 0
+    r = rewards.to(torch.float64)
+    hi = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
+    return hi != lo

@@ -25,6 +25,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B]
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
+    rollout_logp: torch.Tensor | None = None  # [B, L-1]: the sampler's log-probs of the response tokens
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -75,6 +76,7 @@ def build_batch(
     pad_id: int,
     advantages: list[float] | None = None,
     left_pad_prompts: bool = False,
+    rollout_logprobs: list[list[float]] | None = None,
 ) -> TrainBatch:
     assert len(prompts) == len(responses), "one response per prompt copy"
     width_p = max(len(p) for p in prompts)
@@ -93,7 +95,13 @@ def build_batch(
         # logits at position t predict token t+1: response tokens sit at start+len(p)..end-1.
         response_mask[i, start + len(p) - 1 : end - 1] = 1.0
     adv = None if advantages is None else torch.tensor(advantages, dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, response_mask, advantages=adv)
+    rollout_logp = None
+    if rollout_logprobs is not None:
+        rollout_logp = torch.zeros_like(response_mask)
+        for i, (p, lp) in enumerate(zip(prompts, rollout_logprobs)):
+            start = (width_p - len(p) if left_pad_prompts else 0) + len(p) - 1
+            rollout_logp[i, start : start + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return TrainBatch(input_ids, attention_mask, response_mask, advantages=adv, rollout_logp=rollout_logp)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,38 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"
+    # vanilla: per-token PPO ratio; gspo: one length-normalised ratio per sequence.
+    policy_loss: str = "vanilla"
     grad_clip: float = 1.0
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    # null | token_tis | seq_tis | token_mask | seq_mask (see lorarl.algorithms.rollout_correction).
+    mode: str | None = None
+    # Upper bound of the ratio pi_trainer / pi_rollout (truncation for *_tis, band for *_mask).
+    threshold: float = 2.0
+    # Lower bound of the band for *_mask; null: 1 / threshold.
+    lower: float | None = None
+
+
+@dataclass
+class FilterGroupsConfig:
+    # DAPO dynamic sampling: drop prompt groups whose rewards are all equal, sample more prompts.
+    enable: bool = False
+    # Generation rounds per step at most (the first included); a batch still short after them
+    # is filled with dropped groups (zero advantage) and the step goes on.
+    max_num_gen_batches: int = 4
+
+
+@dataclass
+class OverlongBufferConfig:
+    # DAPO soft overlong punishment, added to the reward.
+    enable: bool = False
+    # Tokens before data.max_response_length where the penalty starts; null: 20% of it (the
+    # paper's 4096 of 20480).
+    len: int | None = None
+    penalty_factor: float = 1.0
 
 
 @dataclass
@@ -140,6 +171,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_coef: float = 0.001
     kl_penalty: str = "k1"
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -358,7 +392,26 @@ def validate(run: RunConfig) -> None:
     )
     _one_of("actor.kl_loss_type", a.kl_loss_type, ("k1", "k2", "mse", "k3", "low_var_kl"))
     _one_of("algorithm.kl_penalty", alg.kl_penalty, ("k1", "k2", "mse", "k3", "low_var_kl"))
-    _one_of("actor.loss_agg_mode", a.loss_agg_mode, ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"))
+    from lorarl.algorithms import AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+
+    _one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
+    rc = alg.rollout_correction
+    _one_of("algorithm.rollout_correction.mode", rc.mode, (None, *ROLLOUT_CORRECTIONS))
+    _check(rc.threshold > 1.0, f"algorithm.rollout_correction.threshold={rc.threshold} must be > 1")
+    _check(
+        rc.lower is None or 0.0 <= rc.lower < 1.0,
+        f"algorithm.rollout_correction.lower={rc.lower} must be in [0, 1), or null for 1 / threshold",
+    )
+    _check(
+        alg.filter_groups.max_num_gen_batches >= 1,
+        f"algorithm.filter_groups.max_num_gen_batches={alg.filter_groups.max_num_gen_batches} must be >= 1",
+    )
+    ob = alg.overlong_buffer
+    _check(
+        ob.len is None or 0 < ob.len < d.max_response_length,
+        f"algorithm.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={d.max_response_length})",
+    )
     _check(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1")
     _check(a.grad_clip > 0, f"actor.grad_clip={a.grad_clip} must be > 0")
     _check(a.optim.lr > 0, f"actor.optim.lr={a.optim.lr} must be > 0")

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +25,7 @@ from lorarl import algorithms
 from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
+from lorarl.engines.base import reduce_metrics
 from lorarl.errors import LorarlError
 from lorarl.rewards import GSM8K_SOURCES, gsm8k
 from lorarl.tracking import Tracker, console, redact
@@ -220,40 +223,26 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         """One GRPO step: three calls to the workers (generate; update; sync)."""
-        r, d = self.run.rollout, self.run.data
         t_step = time.perf_counter()
-        prompts = self.loader.next_batch()
-        # Prompts are split contiguously over replicas, so a prompt's n samples (its GRPO
-        # group) stay on one replica.
-        shards = _split(prompts, self.group.dp_size)
-        seed = self.run.trainer.seed * 1_000_003 + self.step
-        gen = self.group.generate(
-            [
-                ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
-                for i, shard in enumerate(shards)
-            ]
-        )
-        t_gen = max(seconds for _, seconds in gen)
+        groups, gen_rounds, t_gen = self.rollout_groups()
+        rewards = [x for g in groups for x in g.rewards]
+        lengths = [len(s) for g in groups for s in g.samples]
 
-        # Rewards and group-normalised advantages, on the driver.
-        per_replica, all_rewards, all_lengths = [], [], []
-        for shard, (responses, _) in zip(shards, gen):
-            p_ids, r_ids, rewards, groups = [], [], [], []
-            for g, (item, samples) in enumerate(zip(shard, responses)):
-                for sample in samples:
-                    p_ids.append(item.prompt_ids)
-                    r_ids.append(sample)
-                    rewards.append(self.score(item, sample))
-                    groups.append(g)
+        # Group-normalised advantages; groups split contiguously over data-parallel replicas.
+        per_replica = []
+        for shard in _split(groups, self.group.dp_size):
+            p_ids = [g.item.prompt_ids for g in shard for _ in g.samples]
+            r_ids = [s for g in shard for s in g.samples]
+            logprobs = [lp for g in shard for lp in g.logprobs]
+            scores = [x for g in shard for x in g.rewards]
+            index = [k for k, g in enumerate(shard) for _ in g.samples]
             adv = algorithms.grpo_advantages(
-                torch.tensor(rewards), torch.tensor(groups), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
+                torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
             # The parity probe reads one fixed sequence after every sync: each replica's first
             # prompt and sample of step 1.
             probe = (p_ids[0] + r_ids[0], len(p_ids[0])) if self.run.trainer.check_sync and self.step == 1 else None
-            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, probe))
-            all_rewards += rewards
-            all_lengths += [len(x) for x in r_ids]
+            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, probe, logprobs))
 
         # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
         t0 = time.perf_counter()
@@ -263,24 +252,74 @@ class GRPOTrainer:
         syncs = self.group.sync()
         t_sync_wall = time.perf_counter() - t0
 
-        rewards_t = torch.tensor(all_rewards, dtype=torch.float32)
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
         metrics = {
             "reward/mean": float(rewards_t.mean()),
-            "reward/std": float(rewards_t.std()) if len(all_rewards) > 1 else 0.0,
-            "response_length/mean": sum(all_lengths) / len(all_lengths),
-            "response_length/max": max(all_lengths),
+            "reward/std": float(rewards_t.std()) if len(rewards) > 1 else 0.0,
+            "response_length/mean": sum(lengths) / len(lengths),
+            "response_length/max": max(lengths),
         }
-        metrics.update(_mean_over_workers(train))
+        metrics.update(reduce_metrics({k: [t[k] for t in train] for k in train[0]}))
         metrics.update(syncs[0])
         if "sync/logprob_diff_max" in syncs[0]:
             metrics["sync/logprob_diff_max"] = max(s["sync/logprob_diff_max"] for s in syncs)
         metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
+        if self.run.algorithm.filter_groups.enable:
+            metrics["data/gen_rounds"] = gen_rounds
+            metrics["data/groups_with_signal"] = sum(g.has_signal for g in groups) / len(groups)
         metrics["timing/gen"] = t_gen
         metrics["timing/train"] = t_update
         metrics["timing/sync"] = t_sync_wall
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["data/epoch"] = self.loader.epoch
         return metrics
+
+    def rollout_groups(self) -> tuple[list[Group], int, float]:
+        """data.train_batch_size prompt groups, sampled and scored: (groups, generation rounds,
+        generation seconds). With algorithm.filter_groups, groups whose rewards are all equal
+        carry no signal and are replaced by groups of further prompts (DAPO's dynamic sampling),
+        for at most max_num_gen_batches rounds; a batch still short is filled with them."""
+        fg = self.run.algorithm.filter_groups
+        size = self.run.data.train_batch_size
+        kept: list[Group] = []
+        flat: list[Group] = []
+        seconds, rounds = 0.0, 0
+        while True:
+            rounds += 1
+            groups, t = self.sample_groups(self.loader.next_batch(), round_index=rounds - 1)
+            seconds += t
+            if not fg.enable:
+                return groups, rounds, seconds
+            kept += [g for g in groups if g.has_signal]
+            flat += [g for g in groups if not g.has_signal]
+            if len(kept) >= size or rounds >= fg.max_num_gen_batches:
+                break
+        return (kept + flat)[:size], rounds, seconds
+
+    def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[Group], float]:
+        """rollout.n samples of each prompt from vLLM (prompts split over replicas), scored."""
+        r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
+        shards = _split(prompts, self.group.dp_size)
+        seed = self.run.trainer.seed * 1_000_003 + self.step + round_index * 100_003
+        gen = self.group.generate(
+            [
+                ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
+                for i, shard in enumerate(shards)
+            ]
+        )
+        ob = alg.overlong_buffer
+        buffer = (ob.len or max(1, d.max_response_length // 5)) if ob.enable else 0
+        groups = []
+        for shard, (responses, logprobs, _) in zip(shards, gen):
+            for item, samples, lps in zip(shard, responses, logprobs):
+                rewards = [self.score(item, s) for s in samples]
+                if buffer:
+                    rewards = [
+                        x + algorithms.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
+                        for x, s in zip(rewards, samples)
+                    ]
+                groups.append(Group(item, samples, lps, rewards))
+        return groups, max(t for _, _, t in gen)
 
     def score(self, item, response_ids: list[int]) -> float:
         return self.score_text(item, self.tokenizer.decode(response_ids, skip_special_tokens=True))
@@ -305,7 +344,7 @@ class GRPOTrainer:
         )
         rewards: dict[str, list[list[float]]] = {}
         flexible: dict[str, list[list[float]]] = {}
-        for shard, (responses, _) in zip(shards, gen):
+        for shard, (responses, _, _) in zip(shards, gen):
             for item, samples in zip(shard, responses):
                 texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in samples]
                 rewards.setdefault(item.data_source, []).append([self.score_text(item, t) for t in texts])
@@ -332,6 +371,20 @@ class GRPOTrainer:
         if self.tracker is not None:
             self.tracker.finish()
             self.tracker = None
+
+
+@dataclass
+class Group:
+    """One prompt's rollout.n samples: token ids, the sampler's log-probs, rewards."""
+
+    item: Any
+    samples: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+
+    @property
+    def has_signal(self) -> bool:
+        return max(self.rewards) != min(self.rewards)
 
 
 def accuracy(scores: list[list[float]], n: int, prefix: str) -> dict[str, float]:
@@ -363,8 +416,3 @@ def _jsonable_rng(state):
 def _python_rng(state):
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
-
-
-def _mean_over_workers(results: list[dict]) -> dict:
-    keys = results[0].keys()
-    return {k: sum(r[k] for r in results) / len(results) for k in keys if isinstance(results[0][k], (int, float))}

@@ -105,12 +105,13 @@ class Worker:
 
     def generate(
         self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ):
+    ) -> tuple[list[list[list[int]]], list[list[list[float]]], float]:
+        """Per prompt, n sampled responses and the sampler's log-prob of each token; seconds."""
         t0 = time.perf_counter()
-        out = self.rollout.generate(
+        out = self.rollout.sample(
             prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
         )
-        return out, time.perf_counter() - t0
+        return out.token_ids, out.logprobs, time.perf_counter() - t0
 
     # ---- training ------------------------------------------------------------------------
 
@@ -121,6 +122,7 @@ class Worker:
         advantages: list[float],
         step: int,
         probe: tuple[list[int], int] | None = None,
+        rollout_logprobs: list[list[float]] | None = None,
     ) -> dict:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
@@ -131,7 +133,9 @@ class Worker:
         timing = {"timing/sleep": self.sleep()}
         if probe is not None:
             self.probe_seq = (list(probe[0]), probe[1])
-        batch = build_batch(prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts)
+        batch = build_batch(
+            prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
+        )
         if not is_on_policy(self.run):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch)

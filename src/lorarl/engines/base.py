@@ -122,7 +122,7 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> 
                     sums.setdefault(k, []).append(v)
             sums.setdefault("actor/grad_norm", []).append(engine.optimizer_step(step))
             sums.setdefault("actor/micro_batches", []).append(len(groups))
-    result = {k: sum(v) / len(v) for k, v in sums.items()}
+    result = reduce_metrics(sums)
     result["actor/lr"] = engine.end_step()
     return result
 
@@ -130,9 +130,21 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> 
 def _ppo_loss(run: RunConfig, denom: float, step: int) -> LossFn:
     a = run.actor
 
+    rc = run.algorithm.rollout_correction
+    norm_len = run.data.max_response_length
+
     def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
         mask = mb.response_mask
         old = logp.detach() if mb.old_logp is None else mb.old_logp
+        metrics: dict[str, float] = {}
+        weights = None
+        if mb.rollout_logp is not None:
+            # The sampler's probabilities differ from the trainer's (kernels, precision): measured
+            # every step, corrected when algorithm.rollout_correction.mode asks for it.
+            weights, mask, corr = algorithms.rollout_correction(
+                old, mb.rollout_logp, mask, rc.mode, rc.threshold, rc.lower
+            )
+            metrics.update({f"rollout_corr/{k}": v for k, v in corr.items()})
         pg_loss, pg_metrics = algorithms.policy_loss(
             logp,
             old,
@@ -143,22 +155,31 @@ def _ppo_loss(run: RunConfig, denom: float, step: int) -> LossFn:
             clip_ratio_c=a.clip_ratio_c,
             loss_agg_mode=a.loss_agg_mode,
             denom=denom,
+            norm_len=norm_len,
+            mode=a.policy_loss,
+            weights=weights,
         )
         loss = pg_loss
-        metrics = {f"actor/{k}": float(v) for k, v in pg_metrics.items()}
+        metrics.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
-                loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, denom)
+                loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
             metrics["actor/entropy"] = float(algorithms.masked_mean(entropy.detach(), mask))
         if a.use_kl_loss:
             kl = algorithms.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algorithms.agg_loss(kl, mask, a.loss_agg_mode, denom)
+            loss = loss + a.kl_loss_coef * algorithms.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
             metrics["actor/kl_loss"] = float(algorithms.masked_mean(kl.detach(), mask))
         if not torch.isfinite(loss):
             raise TrainingError(f"step {step}: loss is {float(loss)} (pg {float(pg_loss)}); stopping")
         return loss, metrics
 
     return loss_fn
+
+
+def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
+    """One number per metric over micro-batches (or workers): the largest for `*_max` keys,
+    else the mean."""
+    return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in values.items()}
 
 
 def check_grad_norm(grad_norm: float, step: int) -> float:
