@@ -306,7 +306,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
     run = RunConfig(
-        **{k: getattr(obj, k) for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend", "reward")}
+        **{
+            k: getattr(obj, k)
+            for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend", "reward")
+        }
     )
     validate(run)
     return run

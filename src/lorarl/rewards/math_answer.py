@@ -57,7 +57,7 @@ _DEGREES = re.compile(r"\^\s*\{?\\circ\}?")
 def normalize(answer: str) -> str:
     """A canonical spelling for the fast exact comparison; equivalence beyond this is math-verify's job."""
     s = answer.strip()
-    s = s.strip("$").strip()
+    s = s.strip("$").strip().rstrip(".").strip()
     s = _TRAILING_TEXT.sub("", s)
     wrapped = _WRAPPING_TEXT.match(s)
     if wrapped:
