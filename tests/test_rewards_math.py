@@ -72,6 +72,7 @@ def test_normalize_spellings():
     assert math_answer.normalize(r"\dfrac12") == r"\frac{1}{2}"
     assert math_answer.normalize(r"\text{(A)}") == "(A)"
     assert math_answer.normalize(r"5\%") == "5"
+    assert math_answer.normalize("10{,}000") == "10000"
 
 
 def test_no_box_scores_zero_and_empty_truth_is_a_data_error():

@@ -67,7 +67,7 @@ def normalize(answer: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
     s = _LEADING_VARIABLE.sub("", s)
-    s = _THOUSANDS.sub("", s)
+    s = _THOUSANDS.sub("", s.replace("{,}", ","))
     s = s.rstrip(".").strip()
     s = re.sub(r"\s+", "", s)
     # \frac12 and \frac{1}{2} are one number.
