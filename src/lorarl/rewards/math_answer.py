@@ -89,7 +89,7 @@ def is_equivalent(answer: str, truth: str, timeout_s: float) -> bool:
     return checker(timeout_s).equivalent(truth, answer) is True
 
 
-def score(solution: str, ground_truth: str, timeout_s: float = 5.0) -> float:
+def score(solution: str, ground_truth: str, timeout_s: float) -> float:
     truth = parse_ground_truth(ground_truth)
     answer = extract_boxed(solution)
     if answer is None:
