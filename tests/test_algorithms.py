@@ -222,13 +222,3 @@ def test_policy_loss_on_policy_equals_minus_mean_advantage():
     close(loss, (-(1 + 1) + 1) / 3)
     assert m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
     assert math.isfinite(loss.item())
-
-
-def test_validation_accuracy_mean_and_pass_at_n():
-    from lorarl.trainer import accuracy
-
-    # prompt 1: 1 of 4 right; prompt 2: none; prompt 3: all (0.5 is format credit, not right)
-    scores = [[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]]
-    out = accuracy(scores, 4, "val/x/acc")
-    assert out["val/x/acc/mean@4"] == pytest.approx((0.25 + 0.0 + 1.0) / 3)
-    assert out["val/x/acc/pass@4"] == pytest.approx(2 / 3)

@@ -85,7 +85,7 @@ def test_yaml_keys_match_schemas(hydra_compose):
     """A key in a YAML file that is missing from the schema, or the reverse, fails here."""
     cfg = hydra_compose(["+backend=fsdp"])
     keys = set(resolved(cfg).keys())
-    assert keys == {"model", "data", "rollout", "actor", "algorithm", "trainer", "backend"}
+    assert keys == {"model", "data", "rollout", "actor", "algorithm", "trainer", "backend", "reward"}
 
 
 def test_user_facing_key_spellings(hydra_compose):

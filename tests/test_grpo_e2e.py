@@ -221,3 +221,31 @@ def test_workers_get_the_launchers_communication_settings(monkeypatch):
     env = worker_env()
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert "LORARL_UNRELATED" not in env and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize(
+    "algorithm,extra",
+    [
+        ("dapo", []),
+        ("dr_grpo", []),
+        ("gspo", ["algorithm.rollout_correction.mode=token_tis"]),
+    ],
+)
+def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
+    """Each GRPO variant trains the embedded default: reward rises, its own metrics are logged."""
+    out = grpo(
+        tmp_path / "run", cache, f"algorithm={algorithm}", "trainer.total_steps=30", "trainer.device=cpu", *extra
+    )
+    assert out.returncode == 0, out.stderr[-5000:]
+    rows = metrics(tmp_path / "run")
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.03, f"{algorithm}: reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    for key in ("rollout_corr/kl", "rollout_corr/ratio_max", "rollout_corr/masked_frac"):
+        assert key in rows[0], key
+    assert all(r["rollout_corr/ratio_max"] < 1.01 for r in rows)  # fp32 on CPU: sampler and trainer agree
+    assert ("actor/kl_loss" in rows[0]) is False  # no KL term in these variants
+    assert "timing/old_logp" not in rows[0]  # on-policy: no separate old-log-prob pass
+    if algorithm == "dapo":
+        assert all(1 <= r["data/gen_rounds"] <= 4 for r in rows)
+        assert all(0.0 < r["data/groups_with_signal"] <= 1.0 for r in rows)

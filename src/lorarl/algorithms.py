@@ -275,7 +275,7 @@ def rollout_correction(
     elif mode == "seq_mask":
         new_mask = keep & (seq_ratio >= lower) & (seq_ratio <= threshold)
     # k3 of KL(rollout || trainer) from rollout samples: r = log(pi_trainer / pi_rollout).
-    k3 = torch.exp(log_ratio) - log_ratio - 1
+    k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(min=0.0)  # >= 0; float round-off gives -0.0
     n = keep.sum().clamp(min=1)
     metrics = {
         "kl": float(masked_mean(k3, keep)),

@@ -235,6 +235,43 @@ class MegatronBackendConfig:
 
 
 @dataclass
+class GSM8KRewardConfig:
+    # lenient: numbers compared by value ("#### 18.00", "#### $18", "#### 1,000" count; the last
+    # "####" wins). verl: verl's scorer as its published GSM8K table was measured (first "#### N",
+    # exact text). Validation logs the verl accuracy whichever is chosen.
+    scoring: str = "lenient"
+    # strict: only a "#### N" line counts; flexible: the last number anywhere.
+    method: str = "strict"
+
+    # Checked when the object is built (module-level helpers below are not defined yet then).
+    def __post_init__(self) -> None:
+        for key, value, allowed in (
+            ("scoring", self.scoring, ("lenient", "verl")),
+            ("method", self.method, ("strict", "flexible")),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"reward.gsm8k.{key}={value!r} is not valid; use one of: {', '.join(allowed)}")
+
+
+@dataclass
+class MathRewardConfig:
+    # Seconds one answer's symbolic check may take before it is stopped and scored 0.
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"reward.math.timeout_s={self.timeout_s} must be > 0")
+
+
+@dataclass
+class RewardConfig:
+    """How the built-in reward functions score (a data.reward_fn replaces them)."""
+
+    gsm8k: GSM8KRewardConfig = field(default_factory=GSM8KRewardConfig)
+    math: MathRewardConfig = field(default_factory=MathRewardConfig)
+
+
+@dataclass
 class GRPOConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -242,6 +279,7 @@ class GRPOConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     # Chosen on the command line with +backend=fsdp|megatron; no default on purpose.
     backend: Any = MISSING
 
@@ -279,6 +317,7 @@ class RunConfig:
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     backend: FSDPBackendConfig | MegatronBackendConfig
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     @property
     def world_size(self) -> int:
@@ -304,7 +343,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
     run = RunConfig(
-        **{k: getattr(obj, k) for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend")}
+        **{
+            k: getattr(obj, k)
+            for k in ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend", "reward")
+        }
     )
     validate(run)
     return run

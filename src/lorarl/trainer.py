@@ -27,7 +27,6 @@ from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
 from lorarl.engines.base import reduce_metrics
 from lorarl.errors import LorarlError
-from lorarl.rewards import GSM8K_SOURCES, gsm8k
 from lorarl.tracking import Tracker, console, redact
 
 
@@ -327,11 +326,13 @@ class GRPOTrainer:
     def score_text(self, item, text: str) -> float:
         from lorarl.rewards import get_reward_fn
 
-        fn = get_reward_fn(item.data_source, self.run.data.reward_fn)
+        fn = get_reward_fn(item.data_source, self.run.data.reward_fn, self.run.reward)
         return float(fn(text, item.ground_truth, item.extra_info))
 
     def validate(self) -> dict:
-        """Reward and accuracy on data.val_files with rollout.val_kwargs, per data source."""
+        """Generate on data.val_files with rollout.val_kwargs; lorarl.evaluation turns the texts into metrics."""
+        from lorarl.evaluation import validation_metrics
+
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0
         shards = _split(self.val_items, self.group.dp_size)
@@ -342,26 +343,13 @@ class GRPOTrainer:
                 for i, shard in enumerate(shards)
             ],
         )
-        rewards: dict[str, list[list[float]]] = {}
-        flexible: dict[str, list[list[float]]] = {}
+        items, texts = [], []
         for shard, (responses, _, _) in zip(shards, gen):
             for item, samples in zip(shard, responses):
-                texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in samples]
-                rewards.setdefault(item.data_source, []).append([self.score_text(item, t) for t in texts])
-                if item.data_source in GSM8K_SOURCES:
-                    flexible.setdefault(item.data_source, []).append(
-                        [gsm8k.score(t, item.ground_truth, method="flexible") for t in texts]
-                    )
-        out = {"timing/val": time.perf_counter() - t0}
-        accs = []
-        for source, scores in rewards.items():
-            flat = [s for row in scores for s in row]
-            out[f"val/{source}/reward/mean"] = sum(flat) / len(flat)
-            out.update(accuracy(scores, vk.n, f"val/{source}/acc"))
-            accs.append(out[f"val/{source}/acc/mean@{vk.n}"])
-        for source, scores in flexible.items():
-            out.update(accuracy(scores, vk.n, f"val/{source}/acc_flexible"))
-        out["val/acc"] = sum(accs) / len(accs)
+                items.append(item)
+                texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
+        out = validation_metrics(items, texts, self.run.reward, d.reward_fn)
+        out["timing/val"] = time.perf_counter() - t0
         return out
 
     def close(self) -> None:
@@ -385,16 +373,6 @@ class Group:
     @property
     def has_signal(self) -> bool:
         return max(self.rewards) != min(self.rewards)
-
-
-def accuracy(scores: list[list[float]], n: int, prefix: str) -> dict[str, float]:
-    """mean@n (average correctness over all samples) and pass@n (any sample right), per prompt
-    then averaged; a sample is right when it earns the full score (format-only credit is not)."""
-    right = [[1.0 if s >= 1.0 else 0.0 for s in row] for row in scores]
-    return {
-        f"{prefix}/mean@{n}": sum(sum(row) / len(row) for row in right) / len(right),
-        f"{prefix}/pass@{n}": sum(max(row) for row in right) / len(right),
-    }
 
 
 def _split(items: list, parts: int) -> list[list]:

@@ -10,29 +10,56 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lorarl.errors import ConfigError, DataError
-from lorarl.rewards import arith, gsm8k
+from lorarl.rewards import arith, gsm8k, math_answer
 
 RewardFn = Callable[[str, str, "dict | None"], float]
 
-
-def _gsm8k(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    return gsm8k.score(solution, ground_truth)
-
-
-def _arith(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    return arith.score(solution, ground_truth)
-
-
-# The data_source names GSM8K rows carry (verl's parquet and ours).
+# The data_source names each reward serves: verl's parquet names and ours.
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+# MATH-style data with boxed answers: MATH (as verl's preprocessing and the hub mirrors name it),
+# MATH-500, DAPO-Math, and "math" for files written by scripts/prepare_math.py.
+MATH_SOURCES = ("math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo")
 
-REGISTRY: dict[str, RewardFn] = {**dict.fromkeys(GSM8K_SOURCES, _gsm8k), "arith": _arith}
+
+def _gsm8k(reward: Any) -> RewardFn:
+    g = reward.gsm8k
+    scorer = gsm8k.score_verl if g.scoring == "verl" else gsm8k.score
+
+    def fn(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        return scorer(solution, ground_truth, method=g.method)
+
+    return fn
+
+
+def _math(reward: Any) -> RewardFn:
+    timeout_s = reward.math.timeout_s
+
+    def fn(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        return math_answer.score(solution, ground_truth, timeout_s=timeout_s)
+
+    return fn
+
+
+def _arith(reward: Any) -> RewardFn:
+    def fn(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        return arith.score(solution, ground_truth)
+
+    return fn
+
+
+# data_source -> builder of its reward function from the `reward` config section.
+REGISTRY: dict[str, Callable[[Any], RewardFn]] = {
+    **dict.fromkeys(GSM8K_SOURCES, _gsm8k),
+    **dict.fromkeys(MATH_SOURCES, _math),
+    "arith": _arith,
+}
 
 
 # Parsers of each source's reference answer, so a bad ground truth fails when the data is
 # loaded instead of at the first reward, minutes into a run.
 GROUND_TRUTH_PARSERS: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(GSM8K_SOURCES, gsm8k.parse_ground_truth),
+    **dict.fromkeys(MATH_SOURCES, math_answer.parse_ground_truth),
     "arith": arith.parse_ground_truth,
 }
 
@@ -73,9 +100,10 @@ def _load_custom(path: str) -> Callable[..., Any]:
     return fn
 
 
-def get_reward_fn(data_source: str, custom: str | None = None) -> RewardFn:
+def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = None) -> RewardFn:
     """The reward function for `data_source`; `custom` overrides the registry.
 
+    `reward` is the config's `reward` section (lorarl.config.RewardConfig); None means its defaults.
     A custom function takes verl's signature (data_source, solution_str, ground_truth,
     extra_info) so reward functions written for verl plug in unchanged; it may return a
     number or a dict with a "score" entry.
@@ -91,16 +119,32 @@ def get_reward_fn(data_source: str, custom: str | None = None) -> RewardFn:
 
         return _custom
     try:
-        return REGISTRY[data_source]
+        build = REGISTRY[data_source]
     except KeyError:
         raise ConfigError(
             f"no reward function for data_source {data_source!r}; known: {', '.join(sorted(REGISTRY))}"
             f" (or set data.reward_fn='package.module:function')"
         ) from None
+    if reward is None:
+        from lorarl.config import RewardConfig
+
+        reward = RewardConfig()
+    return build(reward)
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    return get_reward_fn(data_source)(solution_str, ground_truth, extra_info)
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None, reward: Any = None
+) -> float:
+    return get_reward_fn(data_source, reward=reward)(solution_str, ground_truth, extra_info)
 
 
-__all__ = ["GROUND_TRUTH_PARSERS", "REGISTRY", "RewardFn", "check_items", "compute_score", "get_reward_fn"]
+__all__ = [
+    "GROUND_TRUTH_PARSERS",
+    "GSM8K_SOURCES",
+    "MATH_SOURCES",
+    "REGISTRY",
+    "RewardFn",
+    "check_items",
+    "compute_score",
+    "get_reward_fn",
+]

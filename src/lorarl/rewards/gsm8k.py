@@ -1,7 +1,17 @@
 """GSM8K reward: compare the model's final number with the reference answer.
 
-"strict" trusts only the "#### N" line the prompt asks for (it also rewards the format);
-"flexible" takes the last number anywhere, useful for models that ignore the format.
+Two scorers, chosen with `reward.gsm8k.scoring`:
+
+- lenient (`score`): numbers compared by value, so "#### 18.", "#### 18.00", "#### $18" and
+  "#### 1,000" all count; the last "####" line wins. A forgiving training signal.
+- verl (`score_verl`): verl's GSM8K scorer as it was when its published GSM8K baselines were
+  measured (Qwen2.5-0.5B-Instruct: PPO 56.7, GRPO-LoRA r32 54.3): the first "#### N" (exactly
+  one space after the marker), text compared with the ground truth string. Use it for numbers
+  that are put beside that table. verl later switched to the last "####" and to reading only the
+  last 300 characters; those changes postdate the table and are not reproduced.
+
+Each has two extraction methods: "strict" trusts only the "#### N" line the prompt asks for (it
+also rewards the format); "flexible" takes the last number anywhere.
 """
 
 from __future__ import annotations
@@ -71,3 +81,41 @@ def score(
     if answer is None:
         return 0.0
     return score if Decimal(answer) == Decimal(truth) else format_score
+
+
+# verl's patterns: a number is any run of digits, dots and commas with an optional leading minus,
+# so "18." and "1,080" are taken whole; nothing allows "$" or more than one space after "####".
+_VERL_STRICT_RE = re.compile(r"#### (-?[0-9.,]+)")
+_VERL_NUMBER_RE = re.compile(r"-?[0-9.,]+")
+
+
+def extract_answer_verl(text: str, method: str = "strict") -> str | None:
+    """The answer text verl's scorer compares, unnormalized; None when it finds none.
+
+    strict: the first "#### N", commas removed. flexible: the last number-like run that is not
+    "." alone, commas kept; when every run is ".", verl ends its search on the first one.
+    """
+    if method == "strict":
+        found = _VERL_STRICT_RE.search(text)
+        return None if found is None else found.group(1).replace(",", "")
+    if method == "flexible":
+        runs = _VERL_NUMBER_RE.findall(text)
+        if not runs:
+            return None
+        real = [r for r in runs if r != "."]
+        return real[-1] if real else runs[0]
+    raise ValueError(f"gsm8k extract method must be 'strict' or 'flexible', got {method!r}")
+
+
+def score_verl(
+    solution: str,
+    ground_truth: str,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """verl's GSM8K score: the extracted text must equal the ground truth string exactly."""
+    answer = extract_answer_verl(solution, method)
+    if answer is None:
+        return 0.0
+    return score if answer == str(ground_truth) else format_score
