@@ -18,13 +18,14 @@ import torch
 from lorarl.engines.megatron import names as N
 from lorarl.engines.megatron.config_map import peft_adapter_config
 from lorarl.errors import ConfigError, ModelError, SyncError
+from tests import megatron_reference as R
 from tests.megatron_source import Sources, field_default, literal, load_functions, sources_or_skip
 
 SHAPES = [
-    N.AttentionShape(num_attention_heads=4, num_query_groups=2, head_dim=8),
-    N.AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64),  # Qwen2.5-0.5B
-    N.AttentionShape(num_attention_heads=4, num_query_groups=4, head_dim=16),  # MHA
-    N.AttentionShape(num_attention_heads=8, num_query_groups=1, head_dim=4),  # MQA
+    R.AttentionShape(num_attention_heads=4, num_query_groups=2, head_dim=8),
+    R.AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64),  # Qwen2.5-0.5B
+    R.AttentionShape(num_attention_heads=4, num_query_groups=4, head_dim=16),  # MHA
+    R.AttentionShape(num_attention_heads=8, num_query_groups=1, head_dim=4),  # MQA
 ]
 
 
@@ -37,7 +38,7 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _config(shape: N.AttentionShape, hidden: int) -> types.SimpleNamespace:
+def _config(shape: R.AttentionShape, hidden: int) -> types.SimpleNamespace:
     # The attributes Megatron-Bridge's layout helpers read from a TransformerConfig.
     return types.SimpleNamespace(
         num_attention_heads=shape.num_attention_heads,
@@ -58,29 +59,29 @@ def test_qkv_round_trip_weights_and_biases(shape):
     q = torch.randn(shape.q_size, 24, generator=g)
     k = torch.randn(shape.kv_size, 24, generator=g)
     v = torch.randn(shape.kv_size, 24, generator=g)
-    fused = N.merge_qkv(q, k, v, shape)
+    fused = R.merge_qkv(q, k, v, shape)
     assert fused.shape == (shape.qkv_size, 24)
-    for a, b in zip(N.split_qkv(fused, shape), (q, k, v)):
+    for a, b in zip(R.split_qkv(fused, shape), (q, k, v)):
         assert torch.equal(a, b)
     qb, kb, vb = q[:, 0].clone(), k[:, 0].clone(), v[:, 0].clone()
-    fused_b = N.merge_qkv(qb, kb, vb, shape)
+    fused_b = R.merge_qkv(qb, kb, vb, shape)
     assert fused_b.shape == (shape.qkv_size,)
-    for a, b in zip(N.split_qkv(fused_b, shape), (qb, kb, vb)):
+    for a, b in zip(R.split_qkv(fused_b, shape), (qb, kb, vb)):
         assert torch.equal(a, b)
 
 
 def test_qkv_interleave_is_per_group():
-    shape = N.AttentionShape(num_attention_heads=4, num_query_groups=2, head_dim=1)
+    shape = R.AttentionShape(num_attention_heads=4, num_query_groups=2, head_dim=1)
     q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])  # heads 0..3; group 0 = heads 0,1
     k = torch.tensor([[20.0], [21.0]])
     v = torch.tensor([[30.0], [31.0]])
-    assert N.merge_qkv(q, k, v, shape).flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
+    assert R.merge_qkv(q, k, v, shape).flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
 
 
 def test_qkv_wrong_rows_rejected():
     shape = SHAPES[0]
     with pytest.raises(ValueError, match="rows"):
-        N.merge_qkv(
+        R.merge_qkv(
             torch.zeros(shape.q_size + 1, 3), torch.zeros(shape.kv_size, 3), torch.zeros(shape.kv_size, 3), shape
         )
 
@@ -89,12 +90,12 @@ def test_qkv_wrong_rows_rejected():
 def test_gate_up_round_trip(tp):
     g = _gen(2)
     gate, up = torch.randn(16, 5, generator=g), torch.randn(16, 5, generator=g)
-    fc1 = N.merge_gate_up(gate, up, tp)
+    fc1 = R.merge_gate_up(gate, up, tp)
     shards = torch.chunk(fc1, tp)
     for r, shard in enumerate(shards):  # each rank holds [gate_r; up_r]
         assert torch.equal(shard[: 16 // tp], gate[r * 16 // tp : (r + 1) * 16 // tp])
         assert torch.equal(shard[16 // tp :], up[r * 16 // tp : (r + 1) * 16 // tp])
-    a, b = N.split_gate_up(fc1, tp)
+    a, b = R.split_gate_up(fc1, tp)
     assert torch.equal(a, gate) and torch.equal(b, up)
 
 
@@ -112,20 +113,20 @@ def test_qkv_matches_megatron_bridge_source(src, shape):
     q = torch.randn(shape.q_size, hidden, generator=g)
     k = torch.randn(shape.kv_size, hidden, generator=g)
     v = torch.randn(shape.kv_size, hidden, generator=g)
-    assert torch.equal(N.merge_qkv(q, k, v, shape), real["merge_qkv_weights"](cfg, q, k, v))
+    assert torch.equal(R.merge_qkv(q, k, v, shape), real["merge_qkv_weights"](cfg, q, k, v))
     fused = real["merge_qkv_weights"](cfg, q, k, v)
-    for ours, theirs in zip(N.split_qkv(fused, shape), real["split_qkv_weights"](cfg, fused)):
+    for ours, theirs in zip(R.split_qkv(fused, shape), real["split_qkv_weights"](cfg, fused)):
         assert torch.equal(ours, theirs)
     assert torch.equal(
-        N.merge_qkv(q[:, 0], k[:, 0], v[:, 0], shape), real["merge_qkv_biases"](cfg, q[:, 0], k[:, 0], v[:, 0])
+        R.merge_qkv(q[:, 0], k[:, 0], v[:, 0], shape), real["merge_qkv_biases"](cfg, q[:, 0], k[:, 0], v[:, 0])
     )
     for ours, theirs in zip(
-        N.split_qkv(fused[:, 0].contiguous(), shape), real["split_qkv_biases"](cfg, fused[:, 0].contiguous())
+        R.split_qkv(fused[:, 0].contiguous(), shape), real["split_qkv_biases"](cfg, fused[:, 0].contiguous())
     ):
         assert torch.equal(ours, theirs)
     # LoRA B of the fused linear_qkv: trailing dim is the rank (feature_dim in the bridge).
     lora_b = torch.randn(shape.qkv_size, 6, generator=g)
-    for ours, theirs in zip(N.split_qkv(lora_b, shape), real["split_qkv_weights"](cfg, lora_b, feature_dim=6)):
+    for ours, theirs in zip(R.split_qkv(lora_b, shape), real["split_qkv_weights"](cfg, lora_b, feature_dim=6)):
         assert torch.equal(ours, theirs)
 
 
@@ -141,7 +142,7 @@ def test_fc1_lora_split_matches_megatron_bridge_source(src, tp):
     )["_split_fused_fc1_linear_out_weight"]
     b = torch.randn(2 * 24, 4, generator=_gen(4))
     theirs = split(None, b, is_expert=False)
-    ours = N.split_gate_up(b, tp)
+    ours = R.split_gate_up(b, tp)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
@@ -182,15 +183,15 @@ def test_names_match_qwen2_bridge_registry(src):
         for layer in (0, 7):
             mc = mc_pattern.replace("*", str(layer))
             expected = tuple(h.replace("*", str(layer)) for h in hf_pattern)
-            assert N.megatron_to_hf_names(mc, "transformer_engine") == expected
+            assert R.megatron_to_hf_names(mc, "transformer_engine") == expected
             for i, h in enumerate(expected):
-                assert N.hf_to_megatron_name(h, "transformer_engine") == (mc, None if len(expected) == 1 else i)
+                assert R.hf_to_megatron_name(h, "transformer_engine") == (mc, None if len(expected) == 1 else i)
             # The local spec keeps separate norm modules: the bridge's alias table names them.
             suffix = mc.split(f"decoder.layers.{layer}.", 1)[-1]
             if suffix in aliases:
                 local = f"decoder.layers.{layer}.{aliases[suffix]}"
-                assert N.megatron_to_hf_names(local, "local") == expected
-                assert N.hf_to_megatron_name(expected[0], "local") == (local, None)
+                assert R.megatron_to_hf_names(local, "local") == expected
+                assert R.hf_to_megatron_name(expected[0], "local") == (local, None)
 
 
 def _tiny_qwen2(tie: bool = True, seed: int = 0):
@@ -204,17 +205,17 @@ def _tiny_qwen2(tie: bool = True, seed: int = 0):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("spec", N.SPECS)
+@pytest.mark.parametrize("spec", R.SPECS)
 @pytest.mark.parametrize("tie", [True, False])
 def test_state_round_trip_real_qwen2(spec, tie):
     model = _tiny_qwen2(tie)
     hf = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
-    shape = N.AttentionShape.from_hf_config(model.config)
-    mc = N.hf_to_megatron_state(hf, shape, spec)
+    shape = R.AttentionShape.from_hf_config(model.config)
+    mc = R.hf_to_megatron_state(hf, shape, spec)
     # per layer: qkv weight + bias, proj, fc1, fc2 and two norms; then embedding, final norm (+ output)
     assert len(mc) == 2 * 7 + (2 if tie else 3)
     assert mc["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (shape.qkv_size, 32)
-    back = N.megatron_to_hf_state(mc, shape, spec)
+    back = R.megatron_to_hf_state(mc, shape, spec)
     assert back.keys() == hf.keys()
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
@@ -222,11 +223,11 @@ def test_state_round_trip_real_qwen2(spec, tie):
 
 def test_unknown_names_rejected():
     with pytest.raises(ModelError, match="model.layers.0.self_attn.rotary"):
-        N.hf_to_megatron_name("model.layers.0.self_attn.rotary.inv_freq")
+        R.hf_to_megatron_name("model.layers.0.self_attn.rotary.inv_freq")
     with pytest.raises(ModelError, match="decoder.layers.0.self_attention.core_attention"):
-        N.megatron_to_hf_names("decoder.layers.0.self_attention.core_attention.x")
+        R.megatron_to_hf_names("decoder.layers.0.self_attention.core_attention.x")
     with pytest.raises(ConfigError, match="backend.transformer_impl"):
-        N.megatron_to_hf_names("output_layer.weight", spec="te")
+        R.megatron_to_hf_names("output_layer.weight", spec="te")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "line
 
 def _shard(module: str, full_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tp: int):
     """What each TP rank holds in megatron-core for a LoRA-wrapped linear (W, A, B shards)."""
-    if module in N.COLUMN_PARALLEL:
+    if module in R.COLUMN_PARALLEL:
         return list(torch.chunk(full_w, tp, 0)), list(torch.chunk(a, tp, 0)), list(torch.chunk(b, tp, 0))
     return list(torch.chunk(full_w, tp, 1)), list(torch.chunk(a, tp, 1)), list(torch.chunk(b, tp, 0))
 
@@ -313,7 +314,7 @@ def _shard(module: str, full_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
 def _megatron_local_merge(module: str, w: list, a: list, b: list, scale: float) -> torch.Tensor:
     """Per-rank merge exactly as megatron.bridge.peft.lora_merge.LoRAMerge does it, then the
     merged shards gathered into the full Megatron weight."""
-    if module in N.COLUMN_PARALLEL:  # W_r + s * B_r @ gather(A)
+    if module in R.COLUMN_PARALLEL:  # W_r + s * B_r @ gather(A)
         a_full = torch.cat(a, 0)
         return torch.cat([wr + scale * br @ a_full for wr, br in zip(w, b)], 0)
     b_full = torch.cat(b, 0)  # W_r + s * gather(B) @ A_r
@@ -332,9 +333,9 @@ def _random_lora_layer(layer: int, tp: int, gen: torch.Generator, canonical: boo
         "down_proj": torch.randn(HIDDEN, FFN, generator=gen, dtype=torch.float64),
     }
     base = {
-        "linear_qkv": N.merge_qkv(hf["q_proj"], hf["k_proj"], hf["v_proj"], SHAPE),
+        "linear_qkv": R.merge_qkv(hf["q_proj"], hf["k_proj"], hf["v_proj"], SHAPE),
         "linear_proj": hf["o_proj"],
-        "linear_fc1": N.merge_gate_up(hf["gate_proj"], hf["up_proj"], tp),
+        "linear_fc1": R.merge_gate_up(hf["gate_proj"], hf["up_proj"], tp),
         "linear_fc2": hf["down_proj"],
     }
     shards: dict[str, list[torch.Tensor]] = {}
@@ -357,9 +358,9 @@ def _random_lora_layer(layer: int, tp: int, gen: torch.Generator, canonical: boo
                 deltas[sub] = scale * b @ a
             # LoRALinearSplitQKV interleaves q/k/v adapter outputs per group; FC1UpGate cats [gate, up].
             if module == "linear_qkv":
-                delta = N.merge_qkv(deltas["adapter_q"], deltas["adapter_k"], deltas["adapter_v"], SHAPE)
+                delta = R.merge_qkv(deltas["adapter_q"], deltas["adapter_k"], deltas["adapter_v"], SHAPE)
             else:
-                delta = N.merge_gate_up(deltas["adapter_gate"], deltas["adapter_up"], tp)
+                delta = R.merge_gate_up(deltas["adapter_gate"], deltas["adapter_up"], tp)
             merged[module] = torch.cat(w_shards, 0) + delta
             continue
         a = torch.randn(RANK, IN_FEATURES[module], generator=gen, dtype=torch.float64)
@@ -381,15 +382,15 @@ def test_split_lora_merged_weight_equality(tp, canonical):
         all_shards.update(shards)
         # Megatron-merged weights, back to HF layout with the base-weight rules.
         mc = {f"decoder.layers.{layer}.{PARENT[m]}.{m}.weight": w for m, w in merged.items()}
-        expected.update(N.megatron_to_hf_state(mc, SHAPE, tp_size=tp))
+        expected.update(R.megatron_to_hf_state(mc, SHAPE, tp_size=tp))
         for proj, w in hf.items():
-            expected[f"base:model.layers.{layer}.{N._HF_PARENT[proj]}.{proj}.weight"] = w
-    peft = N.megatron_lora_to_peft(all_shards, SHAPE)
+            expected[f"base:model.layers.{layer}.{R.HF_PARENT[proj]}.{proj}.weight"] = w
+    peft = R.megatron_lora_to_peft(all_shards, SHAPE)
     assert len(peft) == 2 * 7 * 2
     scale = ALPHA / RANK
     for layer in range(2):
         for proj in N.HF_PROJECTIONS:
-            stem = f"model.layers.{layer}.{N._HF_PARENT[proj]}.{proj}"
+            stem = f"model.layers.{layer}.{R.HF_PARENT[proj]}.{proj}"
             a = peft[f"base_model.model.{stem}.lora_A.weight"]
             b = peft[f"base_model.model.{stem}.lora_B.weight"]
             merged_hf = expected[f"base:{stem}.weight"] + scale * b @ a
@@ -409,16 +410,16 @@ def test_fc1_tp_ordering_matters():
     gen = _gen(5)
     _, shards, merged = _random_lora_layer(0, 2, gen)
     b = torch.cat(shards["module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"], 0)
-    right = N.split_gate_up(b, 2)
-    wrong = N.split_gate_up(b, 1)
+    right = R.split_gate_up(b, 2)
+    wrong = R.split_gate_up(b, 1)
     assert not torch.equal(right[0], wrong[0])
 
 
 def test_megatron_lora_names_validated():
     with pytest.raises(SyncError, match="not a Megatron LoRA parameter"):
-        N.megatron_lora_to_peft({"decoder.layers.0.self_attention.linear_qkv.weight": [torch.zeros(1)]}, SHAPE)
+        R.megatron_lora_to_peft({"decoder.layers.0.self_attention.linear_qkv.weight": [torch.zeros(1)]}, SHAPE)
     with pytest.raises(SyncError, match="both linear_in and linear_out"):
-        N.megatron_lora_to_peft(
+        R.megatron_lora_to_peft(
             {"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": [torch.zeros(4, 48)]}, SHAPE
         )
 
@@ -432,7 +433,7 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
 
     tp = 2
     model = _tiny_qwen2(tie=True, seed=3).double()
-    shape = N.AttentionShape.from_hf_config(model.config)
+    shape = R.AttentionShape.from_hf_config(model.config)
     assert shape == SHAPE
     gen = _gen(7)
     shards_all, merged_hf = {}, {}
@@ -440,11 +441,11 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
     for layer in range(model.config.num_hidden_layers):
         _, shards, _ = _random_lora_layer(layer, tp, gen)
         shards_all.update(shards)
-        hf_w = {p: sd[f"model.layers.{layer}.{N._HF_PARENT[p]}.{p}.weight"] for p in N.HF_PROJECTIONS}
+        hf_w = {p: sd[f"model.layers.{layer}.{R.HF_PARENT[p]}.{p}.weight"] for p in N.HF_PROJECTIONS}
         base = {
-            "linear_qkv": N.merge_qkv(hf_w["q_proj"], hf_w["k_proj"], hf_w["v_proj"], shape),
+            "linear_qkv": R.merge_qkv(hf_w["q_proj"], hf_w["k_proj"], hf_w["v_proj"], shape),
             "linear_proj": hf_w["o_proj"],
-            "linear_fc1": N.merge_gate_up(hf_w["gate_proj"], hf_w["up_proj"], tp),
+            "linear_fc1": R.merge_gate_up(hf_w["gate_proj"], hf_w["up_proj"], tp),
             "linear_fc2": hf_w["down_proj"],
         }
         mc = {}
@@ -454,8 +455,8 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
             a = shards[f"{prefix}.linear_in.weight"]
             b = shards[f"{prefix}.linear_out.weight"]
             mc[f"decoder.layers.{layer}.{PARENT[m]}.{m}.weight"] = _megatron_local_merge(m, w, a, b, ALPHA / RANK)
-        merged_hf.update(N.megatron_to_hf_state(mc, shape, tp_size=tp))
-    tensors = N.megatron_lora_to_peft(shards_all, shape)
+        merged_hf.update(R.megatron_to_hf_state(mc, shape, tp_size=tp))
+    tensors = R.megatron_lora_to_peft(shards_all, shape)
     cfg = peft_adapter_config(
         {
             "rank": RANK,
@@ -523,7 +524,7 @@ def test_normalize_adapter_names_from_bridge_rules(src):
     assert all(
         k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in out
     )
-    assert {N.lora_module_of(k) for k in out} == set(N.HF_PROJECTIONS)
+    assert {R.lora_module_of(k) for k in out} == set(N.HF_PROJECTIONS)
     # idempotent: already-prefixed names pass unchanged
     assert list(dict(N.normalize_adapter_names(out.items()))) == list(out)
 
@@ -589,7 +590,7 @@ def test_split_adapter_is_a_valid_rollout_payload():
     from lorarl.sync import PayloadKind, WeightPayload
 
     _, shards, _ = _random_lora_layer(0, 2, _gen(9))
-    tensors = {k: v.float() for k, v in N.megatron_lora_to_peft(shards, SHAPE).items()}
+    tensors = {k: v.float() for k, v in R.megatron_lora_to_peft(shards, SHAPE).items()}
     cfg = peft_adapter_config(
         {
             "rank": RANK,

@@ -120,7 +120,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.engines.megatron.names import AttentionShape, megatron_lora_to_peft
+    from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
     from lorarl.sync import PayloadKind
 
     out = Path(out_dir)
