@@ -1,7 +1,8 @@
-"""HF <-> Megatron layouts and LoRA splitting for Qwen2, with real tensors.
+"""HF <-> Megatron layouts and LoRA splitting for Qwen2 and Qwen3, with real tensors.
 
 Where a rule comes from Megatron-Bridge, the test runs Megatron-Bridge 0.6.2's own source for
-it (extracted from the released wheel, see tests/megatron_source.py) against ours. The only
+it (extracted from the released wheel, see tests/megatron_source.py) against the reference in
+tests/megatron_reference.py and the name rules lorarl ships (lorarl.engines.megatron.names). The only
 stand-in is `parallel_state.get_tensor_model_parallel_world_size` for the fc1 splitter, which
 reads the TP size from megatron-core's process groups.
 """
@@ -152,8 +153,13 @@ def test_fc1_lora_split_matches_megatron_bridge_source(src, tp):
 
 
 def _qwen2_registry(src: Sources) -> dict[str, tuple[str, ...]]:
-    """Megatron -> HF names from Qwen2Bridge.mapping_registry in the released source."""
-    tree = ast.parse((src.mb / "models/qwen/qwen2_bridge.py").read_text())
+    return _bridge_registry(src, "qwen2")
+
+
+def _bridge_registry(src: Sources, family: str) -> dict[str, tuple[str, ...]]:
+    """Megatron -> HF names from Qwen2Bridge / Qwen3Bridge.mapping_registry in the released
+    source; the multi-token-prediction (`mtp.`) entries are left out (dense decoders only)."""
+    tree = ast.parse((src.mb / f"models/qwen/{family}_bridge.py").read_text())
     out: dict[str, tuple[str, ...]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(
@@ -168,12 +174,22 @@ def _qwen2_registry(src: Sources) -> dict[str, tuple[str, ...]]:
             kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
             parts = ("q", "k", "v") if node.func.id == "QKVMapping" else ("gate", "up")
             out[kw["megatron_param"]] = tuple(kw[p] for p in parts)
-    return out
+    return {k: v for k, v in out.items() if not k.startswith("mtp.")}
 
 
-def test_names_match_qwen2_bridge_registry(src):
-    registry = _qwen2_registry(src)
-    assert len(registry) == 10
+@pytest.mark.parametrize("family, entries", [("qwen2", 10), ("qwen3", 11)])
+def test_names_match_qwen_bridge_registry(src, family, entries):
+    # Qwen3: no q/k/v bias (-1), q_layernorm and k_layernorm (+2).
+    registry = _bridge_registry(src, family)
+    assert len(registry) == entries
+    if family == "qwen3":
+        assert registry["decoder.layers.*.self_attention.q_layernorm.weight"] == (
+            "model.layers.*.self_attn.q_norm.weight",
+        )
+        assert registry["decoder.layers.*.self_attention.k_layernorm.weight"] == (
+            "model.layers.*.self_attn.k_norm.weight",
+        )
+        assert "decoder.layers.*.self_attention.linear_qkv.bias" not in registry
     aliases = dict(
         __import__("tests.megatron_source", fromlist=["class_literal"]).class_literal(
             src.mb / "models/conversion/mapping_registry.py", "MegatronMappingRegistry", "_SEPARATE_LAYERNORM_REWRITES"
@@ -192,29 +208,50 @@ def test_names_match_qwen2_bridge_registry(src):
                 local = f"decoder.layers.{layer}.{aliases[suffix]}"
                 assert R.megatron_to_hf_names(local, "local") == expected
                 assert R.hf_to_megatron_name(expected[0], "local") == (local, None)
+            elif "layernorm" in suffix:  # q/k norms: one module name in both specs
+                assert R.megatron_to_hf_names(mc, "local") == expected
 
 
 def _tiny_qwen2(tie: bool = True, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _tiny("qwen2", tie, seed)
 
+
+def _tiny(arch: str, tie: bool = True, seed: int = 0):
+    """A real HF Qwen2 or Qwen3 with SHAPE's heads (4 heads, 2 KV groups, head_dim 8)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
+    cfg = config_cls(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=tie,
     )  # fmt: skip
-    return Qwen2ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
+    if arch == "qwen3":
+        with torch.no_grad():  # RMSNorm scales start at 1; make q_norm/k_norm visible in the logits
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
 
 
 @pytest.mark.parametrize("spec", R.SPECS)
 @pytest.mark.parametrize("tie", [True, False])
-def test_state_round_trip_real_qwen2(spec, tie):
-    model = _tiny_qwen2(tie)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_state_round_trip_real_qwen(arch, spec, tie):
+    model = _tiny(arch, tie)
     hf = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
     shape = R.AttentionShape.from_hf_config(model.config)
     mc = R.hf_to_megatron_state(hf, shape, spec)
-    # per layer: qkv weight + bias, proj, fc1, fc2 and two norms; then embedding, final norm (+ output)
-    assert len(mc) == 2 * 7 + (2 if tie else 3)
+    # per layer, Qwen2: qkv weight + bias, proj, fc1, fc2 and two norms; Qwen3: no qkv bias, but
+    # q_layernorm and k_layernorm. Then embedding, final norm (+ output).
+    assert len(mc) == 2 * (7 if arch == "qwen2" else 8) + (2 if tie else 3)
     assert mc["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (shape.qkv_size, 32)
+    if arch == "qwen3":
+        assert "decoder.layers.1.self_attention.linear_qkv.bias" not in mc
+        assert torch.equal(
+            mc["decoder.layers.1.self_attention.k_layernorm.weight"], hf["model.layers.1.self_attn.k_norm.weight"]
+        )
     back = R.megatron_to_hf_state(mc, shape, spec)
     assert back.keys() == hf.keys()
     for k in hf:
@@ -284,6 +321,16 @@ def test_unmappable_targets_rejected(bad):
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules") as e:
         N.resolve_lora_targets(["q_proj", bad])
     assert repr(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("norm", ["q_norm", "k_norm", "q_layernorm", "k_layernorm", "self_attn.k_norm"])
+@pytest.mark.parametrize("lora_type", ["lora", "canonical_lora"])
+def test_qwen3_qk_norms_are_never_lora_targets(norm, lora_type):
+    with pytest.raises(ConfigError, match="q_norm/k_norm are base weights") as e:
+        N.resolve_lora_targets(["q_proj", norm], lora_type)
+    assert repr(norm) in str(e.value) and "\n" not in str(e.value)
+    # all-linear on a Qwen3 model: the seven projections, nothing else.
+    assert N.resolve_lora_targets(["all-linear"], lora_type).hf == N.HF_PROJECTIONS
 
 
 def test_bad_lora_type_and_empty_targets():
@@ -424,15 +471,17 @@ def test_megatron_lora_names_validated():
         )
 
 
-def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
-    """End to end with real PEFT: a TP=2 fused Megatron LoRA, split by us, saved as a PEFT
-    folder with our adapter config, loaded by PeftModel.from_pretrained, gives the logits of
-    the model whose weights are the Megatron-side merge converted back to HF."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path, arch):
+    """End to end with real PEFT: a TP=2 fused Megatron LoRA, split by the reference, saved as
+    a PEFT folder with lorarl's adapter config, loaded by PeftModel.from_pretrained, gives the
+    logits of the model whose weights are the Megatron-side merge converted back to HF. On
+    Qwen3 the q/k norms stay the base model's: the adapter config names projections only."""
     from peft import PeftModel
     from safetensors.torch import save_file
 
     tp = 2
-    model = _tiny_qwen2(tie=True, seed=3).double()
+    model = _tiny(arch, tie=True, seed=3).double()
     shape = R.AttentionShape.from_hf_config(model.config)
     assert shape == SHAPE
     gen = _gen(7)
@@ -479,11 +528,12 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
         lora_logits = peft_model(ids).logits
         with peft_model.disable_adapter():
             assert torch.allclose(peft_model(ids).logits, base_logits)
-        reference = _tiny_qwen2(tie=True, seed=3).double()
+        reference = _tiny(arch, tie=True, seed=3).double()
         reference.load_state_dict({**reference.state_dict(), **merged_hf})
         merged_logits = reference(ids).logits
     assert (lora_logits - base_logits).abs().max() > 1e-2  # the adapter does something
     torch.testing.assert_close(lora_logits, merged_logits, rtol=0, atol=1e-9)
+    assert not any("norm" in k for k in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,9 +541,9 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _bridge_adapter_names(src: Sources, layers: int) -> list[str]:
-    """The names Megatron-Bridge's export_adapter_weights yields for Qwen2, produced by its
-    own `_make_lora_param_name` and suffix table over Qwen2Bridge's HF names."""
+def _bridge_adapter_names(src: Sources, layers: int, family: str = "qwen2") -> list[str]:
+    """The names Megatron-Bridge's export_adapter_weights yields for Qwen2/Qwen3, produced by
+    its own `_make_lora_param_name` and suffix table over the family bridge's HF names."""
     path = src.mb / "models/conversion/peft_bridge.py"
     table = literal(path, "MEGATRON_TO_HF_LORA_SUFFIX")
     make = load_functions(
@@ -502,7 +552,7 @@ def _bridge_adapter_names(src: Sources, layers: int) -> list[str]:
         {"MEGATRON_TO_HF_LORA_SUFFIX": table, "Optional": __import__("typing").Optional},
         class_name="MegatronPeftBridge",
     )["_make_lora_param_name"]
-    registry = _qwen2_registry(src)
+    registry = _bridge_registry(src, family)
     out = []
     for layer in range(layers):
         for mc, hf in registry.items():
@@ -514,8 +564,9 @@ def _bridge_adapter_names(src: Sources, layers: int) -> list[str]:
     return out
 
 
-def test_normalize_adapter_names_from_bridge_rules(src):
-    raw = _bridge_adapter_names(src, 2)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_normalize_adapter_names_from_bridge_rules(src, family):
+    raw = _bridge_adapter_names(src, 2, family)
     assert len(raw) == 28  # 7 modules x A/B x 2 layers, as measured (notes §1.3)
     assert "model.layers.1.self_attn.k_proj.lora_B.weight" in raw
     t = torch.zeros(1)
@@ -557,8 +608,9 @@ def _base_layer_name(hf_name: str) -> str:
     return hf_name + ".base_layer" if pos == -1 else hf_name[:pos] + ".base_layer" + hf_name[pos:]
 
 
-def test_normalize_base_names():
-    model = _tiny_qwen2(tie=True)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_normalize_base_names(arch):
+    model = _tiny(arch, tie=True)
     plain = [k for k in model.state_dict() if k != "lm_head.weight"]
     wrapped = {
         f"model.layers.{i}.{p}.weight"
@@ -575,7 +627,10 @@ def test_normalize_base_names():
     }
     exported = [_base_layer_name(k) if k in wrapped else k for k in plain]
     assert "model.layers.0.self_attn.q_proj.base_layer.weight" in exported
-    assert "model.layers.0.self_attn.q_proj.bias" in exported  # biases keep plain names
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in exported  # biases keep plain names
+    else:  # q/k norms are not LoRA-wrapped, so the bridge exports them under plain names
+        assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"} <= set(exported)
     out = [n for n, _ in N.normalize_base_names((n, torch.zeros(1)) for n in exported)]
     assert out == plain
     with pytest.raises(SyncError, match="adapter tensor"):
