@@ -120,8 +120,8 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
-    from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
     from lorarl.sync import PayloadKind
+    from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
     out = Path(out_dir)
     t0 = time.perf_counter()
