@@ -474,9 +474,8 @@ def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
     config_dir = os.path.abspath(config_dir or CONF_DIR)
     if not os.path.isfile(os.path.join(config_dir, "grpo.yaml")):
         raise ConfigError(f"{config_dir} has no grpo.yaml; pass the repository's conf/ folder as config_dir")
-    gh = GlobalHydra.instance()
-    saved_hydra, saved_cfg = (gh.hydra, HydraConfig.instance().cfg) if gh.is_initialized() else (None, None)
-    gh.clear()
+    saved_hydra, saved_cfg = GlobalHydra.instance().hydra, HydraConfig.instance().cfg
+    GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             cfg = hydra_compose("grpo", overrides=list(overrides), return_hydra_config=True)
@@ -487,9 +486,10 @@ def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
                 del cfg["hydra"]
             return to_run_config(cfg)
     finally:
-        gh.clear()
+        # initialize_config_dir swaps the GlobalHydra singleton on exit: ask for it again.
+        GlobalHydra.instance().clear()
         if saved_hydra is not None:
-            gh.initialize(saved_hydra)
+            GlobalHydra.instance().initialize(saved_hydra)
         HydraConfig.instance().cfg = saved_cfg
 
 
