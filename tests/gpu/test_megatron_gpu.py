@@ -189,7 +189,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     # our split of the raw shards vs the bridge's export (layer numbers are stage-local with PP)
     if pp == 1:
-        shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
+        shape = AttentionShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
         ours = megatron_lora_to_peft(engine.lora_shards(), shape)
         result["own_split_names_equal"] = set(ours) == set(adapter)
         result["own_split_max_diff"] = max(
