@@ -203,7 +203,8 @@ def test_builder_names_are_checked(tmp_path: Path):
 
 def test_a_cached_model_of_the_other_arch_is_rebuilt(tmp_path: Path):
     path = tmp_path / "m"
-    tiny.ensure_built("tiny_qwen2", path)  # warm-up steps are the default; seconds
+    tiny.ensure_tiny_model(path, warmup_steps=0, arch="qwen2")
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2"
-    tiny.ensure_tiny_model(path, warmup_steps=tiny.DEFAULT_WARMUP_STEPS, arch="qwen3")
+    tiny.ensure_tiny_model(path, warmup_steps=0, arch="qwen3")
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3"
+    assert tiny.build_info(path)["arch"] == "qwen3"

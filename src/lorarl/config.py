@@ -305,9 +305,11 @@ def validate(run: RunConfig) -> None:
     _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
     _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
     _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    from lorarl.models.tiny import ARCHS as BUILDERS
+
     _check(
-        m.builder in (None, "tiny_qwen2", "tiny_qwen3"),
-        f"model.builder={m.builder!r} is not valid; use null, tiny_qwen2 or tiny_qwen3",
+        m.builder is None or m.builder in BUILDERS,
+        f"model.builder={m.builder!r} is not valid; use null or one of: {', '.join(BUILDERS)}",
     )
 
     _one_of("data.truncation", d.truncation, ("error", "left", "right"))
