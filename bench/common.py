@@ -47,6 +47,20 @@ SHAPES = {
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
     ),
+    # Qwen3: q_norm/k_norm per head, no q/k/v bias; head_dim 128 is not hidden / heads.
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 QWEN05_SHAPE = SHAPES["qwen2.5-0.5b"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -156,13 +170,17 @@ SHAPED_MODEL_DONE = "bench_model.json"
 def shaped_model(
     cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cpu"
 ) -> Path:
-    """A random model with a real Qwen2.5 shape (optionally fewer decoder layers), saved as
+    """A random model with a real Qwen2.5/Qwen3 shape (optionally fewer decoder layers), saved as
     safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
     Built once per (shape, layers, dtype) under <cache>/bench/; `device` only speeds up init."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     dims = dict(SHAPES[shape])
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        dims.pop("model_type", "qwen2")
+    ]
+    dims.setdefault("head_dim", dims["hidden_size"] // dims["num_attention_heads"])
     if layers is not None:
         dims["num_hidden_layers"] = layers
     path = shaped_model_path(cache, shape, layers, dtype)
@@ -171,9 +189,8 @@ def shaped_model(
         return path
     tiny = tiny_model(cache)
     tok = AutoTokenizer.from_pretrained(tiny)
-    config = Qwen2Config(
+    config = config_cls(
         **dims,
-        head_dim=dims["hidden_size"] // dims["num_attention_heads"],
         max_position_embeddings=32768,
         bos_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
@@ -184,7 +201,7 @@ def shaped_model(
     torch.set_default_dtype(getattr(torch, dtype))  # init in the target dtype: a 7B fp32 copy is 30 GB
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(config)
+            model = model_cls(config)
     finally:
         torch.set_default_dtype(default)
     model.config.dtype = dtype

@@ -29,17 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lorarl.config import (
-    ActorConfig,
-    AlgorithmConfig,
-    DataConfig,
-    FSDPBackendConfig,
-    LoraConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine
 from lorarl.sync import PayloadKind
 
@@ -49,14 +39,24 @@ METHODS = (*ADAPTER_METHODS, *HEAVY_METHODS)
 
 
 def make_run(model: str, dtype: str, rank: int, world: int, device: str) -> RunConfig:
-    return RunConfig(
-        model=ModelConfig(path=model, dtype=dtype, lora=LoraConfig(rank=rank, alpha=2 * rank)),
-        data=DataConfig(train_files=["unused"], train_batch_size=world),
-        rollout=RolloutConfig(n=1),
-        actor=ActorConfig(ppo_mini_batch_size=world, ppo_micro_batch_size_per_gpu=1),
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device=device),
-        backend=FSDPBackendConfig(mixed_precision=dtype),
+    # Export only: the batch keys just have to validate (rollout.n=2 is the schema's minimum).
+    return compose(
+        [
+            "+backend=fsdp",
+            f"model.path={model}",
+            "model.builder=null",
+            f"model.dtype={dtype}",
+            "model.enable_gradient_checkpointing=false",
+            f"model.lora.rank={rank}",
+            f"model.lora.alpha={2 * rank}",
+            f"data.train_batch_size={world}",
+            "rollout.n=2",
+            f"actor.ppo_mini_batch_size={world}",
+            "actor.ppo_micro_batch_size_per_gpu=1",
+            f"trainer.n_gpus_per_node={world}",
+            f"trainer.device={device}",
+            f"backend.mixed_precision={dtype}",
+        ]
     )
 
 

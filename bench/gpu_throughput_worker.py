@@ -27,34 +27,32 @@ import torch.distributed as dist
 
 from bench.export_gather_worker import max_over_ranks
 from lorarl.batch import build_batch
-from lorarl.config import (
-    ActorConfig,
-    AlgorithmConfig,
-    DataConfig,
-    FSDPBackendConfig,
-    LoraConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine
 
 
 def make_run(model: str, rank: int, world: int, batch: int, checkpointing: bool, device: str) -> RunConfig:
-    return RunConfig(
-        model=ModelConfig(
-            path=model,
-            dtype="bfloat16",
-            enable_gradient_checkpointing=checkpointing,
-            lora=LoraConfig(rank=rank, alpha=2 * rank),
-        ),
-        data=DataConfig(train_files=["unused"], train_batch_size=batch * world),
-        rollout=RolloutConfig(n=1),
-        actor=ActorConfig(ppo_mini_batch_size=batch * world, ppo_micro_batch_size_per_gpu=batch, use_kl_loss=True),
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device=device),
-        backend=FSDPBackendConfig(mixed_precision="bfloat16"),
+    # rollout.n=2 is the schema's minimum; update() is handed `batch` sequences per GPU directly,
+    # which one mini-batch (ppo_mini_batch_size x n / world = 2 x batch) and one micro-batch cover.
+    return compose(
+        [
+            "+backend=fsdp",
+            f"model.path={model}",
+            "model.builder=null",
+            "model.dtype=bfloat16",
+            f"model.enable_gradient_checkpointing={str(checkpointing).lower()}",
+            f"model.lora.rank={rank}",
+            f"model.lora.alpha={2 * rank}",
+            f"data.train_batch_size={batch * world}",
+            "rollout.n=2",
+            "actor.optim.lr=1e-5",
+            f"actor.ppo_mini_batch_size={batch * world}",
+            f"actor.ppo_micro_batch_size_per_gpu={batch}",
+            "actor.use_kl_loss=true",
+            f"trainer.n_gpus_per_node={world}",
+            f"trainer.device={device}",
+            "backend.mixed_precision=bfloat16",
+        ]
     )
 
 

@@ -118,7 +118,7 @@ def test_overlong_penalty_and_group_filter():
     ],
 )
 def test_algorithm_presets_compose(name, expect):
-    run = compose([f"algorithm={name}"])
+    run = compose(["+backend=fsdp", f"algorithm={name}"])
     assert (run.clip_low, run.clip_high) == pytest.approx((expect["clip_low"], expect["clip_high"]))
     assert run.actor.loss_agg_mode == expect["loss_agg_mode"]
     assert run.actor.use_kl_loss is expect["use_kl_loss"]
@@ -130,7 +130,10 @@ def test_algorithm_presets_compose(name, expect):
 
 def test_rollout_correction_config_is_checked():
     with pytest.raises(ConfigError, match="algorithm.rollout_correction.mode"):
-        compose(["algorithm.rollout_correction.mode=tis"])
+        compose(["+backend=fsdp", "algorithm.rollout_correction.mode=tis"])
     with pytest.raises(ConfigError, match="threshold"):
-        compose(["algorithm.rollout_correction.threshold=0.5"])
-    assert compose(["algorithm.rollout_correction.mode=seq_mask"]).algorithm.rollout_correction.mode == "seq_mask"
+        compose(["+backend=fsdp", "algorithm.rollout_correction.threshold=0.5"])
+    assert (
+        compose(["+backend=fsdp", "algorithm.rollout_correction.mode=seq_mask"]).algorithm.rollout_correction.mode
+        == "seq_mask"
+    )

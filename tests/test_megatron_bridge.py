@@ -37,16 +37,31 @@ def mb_api(src) -> Api:
 
 @pytest.fixture(scope="module")
 def mbridge_api(src) -> Api:
-    path = src.mbr / "models/qwen2.py"
+    return _mbridge_api(src, "qwen2")
+
+
+def _mbridge_api(src: Sources, model_type: str) -> Api:
+    path = src.mbr / f"models/{model_type}.py"
     tree = ast.parse(path.read_text())
     # mbridge.AutoBridge.from_config returns _MODEL_REGISTRY[hf_config.model_type](...):
-    # the class registered for "qwen2" is the object the adapter wraps.
+    # the class registered for the model type is the object the adapter wraps.
     (cls,) = [
         n for n in tree.body
         if isinstance(n, ast.ClassDef)
-        and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "register_model" and ast.literal_eval(d.args[0]) == "qwen2" for d in n.decorator_list)
+        and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "register_model" and ast.literal_eval(d.args[0]) == model_type for d in n.decorator_list)
     ]  # fmt: skip
     return src.api(path, cls.name)
+
+
+def _registered_bridge(src: Sources, family: str) -> ast.ClassDef:
+    """The Megatron-Bridge class registered for an HF model_type (`@register_bridge(...)`)."""
+    tree = ast.parse((src.mb / f"models/qwen/{family}_bridge.py").read_text())
+    (cls,) = [
+        n for n in tree.body
+        if isinstance(n, ast.ClassDef)
+        and any(isinstance(d, ast.Call) and any(k.arg == "model_type" and ast.literal_eval(k.value) == family for k in d.keywords) for d in n.decorator_list)
+    ]  # fmt: skip
+    return cls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,3 +247,54 @@ def test_wrong_keyword_would_fail(mb_api):
 def test_make_bridge_unknown_name():
     with pytest.raises(ConfigError, match="backend.bridge='nope' is not valid; use one of: megatron_bridge, mbridge"):
         B.make_bridge("nope", "/nonexistent")
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3
+# ---------------------------------------------------------------------------------------------
+
+
+def test_both_bridges_serve_qwen3(src):
+    """AutoBridge picks Qwen3Bridge for model_type qwen3 (qk_layernorm on, no q/k/v bias), and
+    mbridge registers a Qwen3 class with the export method the adapter calls."""
+    cls = _registered_bridge(src, "qwen3")
+    provider = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "provider_bridge")
+    set_attrs = {
+        t.attr: ast.literal_eval(node.value)
+        for node in ast.walk(provider)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for t in node.targets
+        if isinstance(t, ast.Attribute)
+    }
+    assert set_attrs["qk_layernorm"] is True and set_attrs["add_qkv_bias"] is False
+    assert B.REQUIRED_METHODS["mbridge"] <= set(_mbridge_api(src, "qwen3").methods)
+
+
+def _qwen3_impls(live: Live) -> dict:
+    """Megatron-Bridge exports of a one-layer Qwen3 as its source yields them: q/k norms are
+    plain base weights (no `.base_layer`, never in the adapter stream)."""
+    impls = _mb_impls(live, [object()])
+    base_hf = impls["export_hf_weights"]
+
+    def hf(bound):
+        yield "model.layers.0.self_attn.q_norm.weight", live.norm[:4]
+        yield "model.layers.0.self_attn.k_norm.weight", live.norm[4:]
+        yield from base_hf(bound)
+
+    return {**impls, "export_hf_weights": hf}
+
+
+def test_qwen3_exports_keep_qk_norms_in_the_base_only(mb_api):
+    from lorarl.sync import WeightPayload
+
+    live = Live()
+    adapter = B.MegatronBridgeAdapter(spec_object(mb_api, _qwen3_impls(live), []))
+    base = dict(adapter.export_base(["m"]))
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(base)
+    assert torch.equal(base["model.layers.0.self_attn.k_norm.weight"], live.norm[4:])
+    merged = dict(adapter.export_merged(["m"]))
+    assert torch.equal(merged["model.layers.0.self_attn.q_norm.weight"], live.norm[:4])  # no LoRA on norms
+    assert not any("norm" in k for k in dict(adapter.export_adapter(["m"])))
+    # The rollout takes the base stream as a base payload (plain HF names, no LoRA tensors).
+    payload = WeightPayload.base(iter(base.items()))
+    assert "model.layers.0.self_attn.q_norm.weight" in {n for n, _ in payload.tensors}

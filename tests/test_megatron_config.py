@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -243,6 +244,48 @@ def test_defaults_and_real_shapes_pass():
         world_size=8,
     )
     C.check_megatron(lora(), backend(recompute_granularity="selective"), **MODEL)
+
+
+# The published Qwen3 dense configs (config.json on the hub): layers, heads, KV heads, vocab.
+QWEN3_SHAPES = {
+    "qwen3_0_6b": (28, 16, 8),
+    "qwen3_1_7b": (28, 16, 8),
+    "qwen3_4b": (36, 32, 8),
+    "qwen3_8b": (36, 32, 8),
+    "qwen3_14b": (40, 40, 8),
+    "qwen3_32b": (64, 64, 8),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN3_SHAPES))
+def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
+    """Each Qwen3 preset's documented Megatron launch (its header's `Launch:` line, or TP=2 when
+    it shows FSDP) composes and passes every Megatron check against the model's real shape."""
+    import shlex
+
+    from lorarl.config import CONF_DIR, check_model_shape, compose
+
+    header = (Path(CONF_DIR) / "model" / f"{preset}.yaml").read_text()
+    launch = next(line.split("Launch:", 1)[1] for line in header.splitlines() if "Launch:" in line)
+    args = [a for a in shlex.split(launch) if "=" in a and a != "recipes.grpo"]
+    if "+backend=megatron" not in args:
+        args = [a.replace("+backend=fsdp", "+backend=megatron") for a in args]
+        args += ["backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    run = compose(args)
+    layers, heads, kv_heads = QWEN3_SHAPES[preset]
+    check_model_shape(run, heads, kv_heads)
+    C.check_megatron(
+        run.model.lora,
+        run.backend,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=151936,
+        world_size=run.world_size,
+    )
+    assert run.model.path == f"Qwen/Qwen3-{preset.split('_', 1)[1].replace('_', '.').upper()}"
+    if preset in ("qwen3_14b", "qwen3_32b"):  # the Megatron-with-TP presets
+        assert run.backend.strategy == "megatron" and run.backend.tensor_model_parallel_size >= 4
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def run_with(micro_rows: int | None = None, token_budget: int | None = None, agg
         overrides += ["actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={token_budget}"]
     else:
         overrides += [f"actor.ppo_micro_batch_size_per_gpu={micro_rows}"]
-    return compose(overrides + [f"actor.{k}={v}" for k, v in actor.items()])
+    return compose(["+backend=fsdp", *overrides] + [f"actor.{k}={v}" for k, v in actor.items()])
 
 
 LENGTHS = [1, 7, 2, 5, 3, 8, 4, 6]  # rows of unequal length: where per-micro-batch means go wrong

@@ -42,7 +42,7 @@ class LoraConfig:
 class ModelConfig:
     # HF hub id or local directory.
     path: str = MISSING
-    # "tiny_qwen2": build the embedded model at `path` when it is not there yet.
+    # "tiny_qwen2" | "tiny_qwen3": build the embedded model at `path` when it is not there yet.
     builder: str | None = None
     # Training dtype of the frozen base; LoRA weights and optimizer state stay float32.
     dtype: str = "bfloat16"
@@ -59,7 +59,6 @@ class DataConfig:
     generator: str | None = None
     generator_size: int = 2000
     train_batch_size: int = 8
-    val_batch_size: int | None = None
     max_prompt_length: int = 512
     max_response_length: int = 512
     filter_overlong_prompts: bool = True
@@ -80,7 +79,6 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"
     n: int = 4
     temperature: float = 1.0
     top_p: float = 1.0
@@ -169,8 +167,6 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_coef: float = 0.001
-    kl_penalty: str = "k1"
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -390,7 +386,12 @@ def validate(run: RunConfig) -> None:
     _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
     _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
     _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
-    _check(m.builder in (None, "tiny_qwen2"), f"model.builder={m.builder!r} is not valid; use null or tiny_qwen2")
+    from lorarl.models.tiny import ARCHS as BUILDERS
+
+    _check(
+        m.builder is None or m.builder in BUILDERS,
+        f"model.builder={m.builder!r} is not valid; use null or one of: {', '.join(BUILDERS)}",
+    )
 
     _one_of("data.truncation", d.truncation, ("error", "left", "right"))
     _check(d.train_batch_size > 0, f"data.train_batch_size={d.train_batch_size} must be > 0")
@@ -400,7 +401,6 @@ def validate(run: RunConfig) -> None:
     )
     _check(d.generator in (None, "arith"), f"data.generator={d.generator!r} is not valid; use null or arith")
 
-    _one_of("rollout.name", r.name, ("vllm",))
     _one_of("rollout.adapter_transport", r.adapter_transport, ("tmpfs", "memory"))
     _check(
         0.0 < r.gpu_memory_utilization <= 1.0,
@@ -433,7 +433,6 @@ def validate(run: RunConfig) -> None:
         f"rollout.n={r.n}: GRPO compares samples of the same prompt, so with fewer than 2 every advantage is 0; set rollout.n>=2",
     )
     _one_of("actor.kl_loss_type", a.kl_loss_type, ("k1", "k2", "mse", "k3", "low_var_kl"))
-    _one_of("algorithm.kl_penalty", alg.kl_penalty, ("k1", "k2", "mse", "k3", "low_var_kl"))
     from lorarl.algorithms import AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
     _one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
@@ -565,24 +564,42 @@ def steps_for(run: RunConfig, steps_per_epoch: int) -> int:
     return run.trainer.total_epochs * steps_per_epoch
 
 
-def compose(overrides: list[str] = (), backend: str = "fsdp") -> RunConfig:
-    """The validated RunConfig that `python -m recipes.grpo +backend=<backend> <overrides>`
-    would run, composed with Hydra from conf/ (for tests, benchmarks and scripts)."""
-    from pathlib import Path
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
+
+def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
+    """The validated RunConfig that `python -m recipes.grpo <overrides>` would train with.
+
+    Composes conf/grpo.yaml through Hydra's compose API (the same defaults lists, schemas and
+    `${hydra:...}` interpolations as the command line), so tests, benchmarks and GPU scripts
+    never build a RunConfig by hand. `config_dir` defaults to the repository's conf/. Any Hydra
+    instance already initialised in this process is left as it was found.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    conf = Path(__file__).resolve().parents[2] / "conf"
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = hydra_compose("grpo", overrides=[f"+backend={backend}", *overrides], return_hydra_config=True)
-    # ${hydra:...} interpolations (the experiment name) read the Hydra config, as in a real run.
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return to_run_config(cfg)
+    config_dir = os.path.abspath(config_dir or CONF_DIR)
+    if not os.path.isfile(os.path.join(config_dir, "grpo.yaml")):
+        raise ConfigError(f"{config_dir} has no grpo.yaml; pass the repository's conf/ folder as config_dir")
+    saved_hydra, saved_cfg = GlobalHydra.instance().hydra, HydraConfig.instance().cfg
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = hydra_compose("grpo", overrides=list(overrides), return_hydra_config=True)
+            # `${hydra:runtime.choices.model}` (trainer.experiment_name) resolves against this.
+            HydraConfig.instance().set_config(cfg)
+            OmegaConf.set_readonly(cfg, False)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            return to_run_config(cfg)
+    finally:
+        # initialize_config_dir swaps the GlobalHydra singleton on exit: ask for it again.
+        GlobalHydra.instance().clear()
+        if saved_hydra is not None:
+            GlobalHydra.instance().initialize(saved_hydra)
+        HydraConfig.instance().cfg = saved_cfg
 
 
-__all__ = ["RunConfig", "compose", "to_run_config", "validate", "check_model_shape", "steps_for"]
+__all__ = ["RunConfig", "to_run_config", "validate", "check_model_shape", "steps_for", "compose"]

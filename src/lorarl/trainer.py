@@ -43,10 +43,10 @@ def resolve_device(requested: str) -> str:
 def prepare_model(run: RunConfig) -> str:
     """Local path of the model, building the embedded one on first use."""
     path = os.path.expanduser(run.model.path)
-    if run.model.builder == "tiny_qwen2":
-        from lorarl.models.tiny import ensure_tiny_model
+    if run.model.builder is not None:
+        from lorarl.models.tiny import ensure_built
 
-        ensure_tiny_model(path, seed=0)
+        ensure_built(run.model.builder, path, seed=0)
     run.model.path = path
     return path
 

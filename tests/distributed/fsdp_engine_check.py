@@ -19,17 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lorarl.batch import build_batch
-from lorarl.config import (
-    ActorConfig,
-    AlgorithmConfig,
-    DataConfig,
-    FSDPBackendConfig,
-    LoraConfig,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine, _peft_name
 from lorarl.sync import PayloadKind
 
@@ -38,14 +28,26 @@ RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
 def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
-    return RunConfig(
-        model=ModelConfig(path=model_path, dtype="float32", lora=LoraConfig(rank=8, alpha=16, merge=merge)),
-        data=DataConfig(train_files=["unused"], train_batch_size=2),
-        rollout=RolloutConfig(n=2, temperature=1.0),
-        actor=ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, use_kl_loss=True),
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=world, device="cpu"),
-        backend=FSDPBackendConfig(),
+    return compose(
+        [
+            "+backend=fsdp",
+            f"model.path={model_path}",
+            "model.builder=null",
+            "model.dtype=float32",
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
+            f"model.lora.merge={str(merge).lower()}",
+            "data.train_batch_size=2",
+            "rollout.n=2",
+            "rollout.temperature=1.0",
+            "actor.optim.lr=1e-5",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_micro_batch_size_per_gpu=1",
+            "actor.use_kl_loss=true",
+            f"trainer.n_gpus_per_node={world}",
+            "trainer.device=cpu",
+            "backend.mixed_precision=bfloat16",
+        ]
     )
 
 

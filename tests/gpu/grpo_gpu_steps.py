@@ -1,6 +1,6 @@
 """A few GRPO-LoRA steps on GPUs: colocated FSDP2 (NCCL) or Megatron + vLLM (CUDA, sleep mode) per rank.
 
-    torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b --steps 4 --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --model tiny|qwen2_5_0_5b|qwen3_0_6b --steps 4 --out DIR
     torchrun --standalone --nproc_per_node=2 tests/gpu/grpo_gpu_steps.py --backend megatron --tp 2 ...
     ... --merge      merged sync: vLLM without LoRA, W + BA pushed every step (level-2 sleep)
 
@@ -15,7 +15,7 @@ tokens/s, and the sleep/wake regression: level-1 sleep keeps the base, level-2 s
 and the next sync must resend it; both are checked tensor by tensor against the engine's state
 before sleeping (on CPU: a resend after marking the base gone).
 
-The 0.5B case uses random weights with Qwen2.5-0.5B's real shape (nothing can be
+The 0.5B/0.6B cases use random weights with Qwen2.5-0.5B's or Qwen3-0.6B's real shape (nothing can be
 downloaded on the GPU machine) and a reward that prefers low token ids, so advantages are
 non-zero and the adapter moves; the tiny case uses the warmed-up embedded model and the
 real arithmetic reward."""
@@ -36,9 +36,9 @@ os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
 import torch  # noqa: E402
 import torch.distributed as dist
 
-# Random weights with Qwen2.5-0.5B's real shape come from the benchmarks' model builder.
+# Random weights with a real model's shape come from the benchmarks' model builder.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-SHAPE = "qwen2.5-0.5b"
+SHAPES = {"qwen2_5_0_5b": "qwen2.5-0.5b", "qwen3_0_6b": "qwen3-0.6b"}
 
 
 def model_dir(kind: str, cache: Path) -> tuple[Path, str]:
@@ -48,7 +48,7 @@ def model_dir(kind: str, cache: Path) -> tuple[Path, str]:
 
     if kind == "tiny":  # in $LORARL_CACHE, as the recipe's default
         return default_tiny_model_path(), MARKER
-    return shaped_model_path(cache, SHAPE, dtype="bfloat16"), SHAPED_MODEL_DONE
+    return shaped_model_path(cache, SHAPES[kind], dtype="bfloat16"), SHAPED_MODEL_DONE
 
 
 def build_model(kind: str, cache: Path, device: str) -> Path:
@@ -57,7 +57,7 @@ def build_model(kind: str, cache: Path, device: str) -> Path:
 
     if kind == "tiny":
         return ensure_tiny_model(default_tiny_model_path())
-    return shaped_model(cache, SHAPE, dtype="bfloat16", device=device)
+    return shaped_model(cache, SHAPES[kind], dtype="bfloat16", device=device)
 
 
 def make_run(
@@ -72,67 +72,47 @@ def make_run(
     merge: bool,
     cuda_graphs: bool = False,
 ):
-    from lorarl.config import (
-        ActorConfig,
-        AlgorithmConfig,
-        DataConfig,
-        FSDPBackendConfig,
-        LoraConfig,
-        MegatronBackendConfig,
-        ModelConfig,
-        OptimConfig,
-        RolloutConfig,
-        RunConfig,
-        TrainerConfig,
-        validate,
-    )
+    from lorarl.config import compose
 
     tiny = kind == "tiny"
     dp = world // tp
+    overrides = [
+        f"+backend={backend}",
+        f"model.path={model_path}",
+        "model.builder=null",
+        f"model.dtype={'float32' if tiny else 'bfloat16'}",
+        f"model.enable_gradient_checkpointing={str(not tiny).lower()}",
+        f"model.lora.rank={16 if tiny else 64}",
+        "model.lora.alpha=32",
+        f"model.lora.merge={str(merge).lower()}",
+        f"data.train_batch_size={batch * dp}",
+        "data.max_prompt_length=64",
+        f"data.max_response_length={8 if tiny else 128}",
+        f"rollout.n={n}",
+        "rollout.temperature=1.0",
+        "rollout.gpu_memory_utilization=0.3",
+        "rollout.load_format=auto",
+        f"rollout.layered_summon={str(not tiny and not merge).lower()}",
+        f"rollout.enforce_eager={str(not cuda_graphs).lower()}",
+        f"actor.optim.lr={2e-3 if tiny else 1e-4}",
+        f"actor.ppo_mini_batch_size={batch * dp}",
+        f"actor.ppo_micro_batch_size_per_gpu={batch * n}",
+        "actor.use_kl_loss=true",
+        f"trainer.n_gpus_per_node={world}",
+        f"trainer.device={device}",
+        "trainer.check_sync=true",
+        f"trainer.check_sync_tolerance={0.1 if tiny else 0.25}",
+    ]
     if backend == "megatron":
-        engine = MegatronBackendConfig(tensor_model_parallel_size=tp)
+        overrides.append(f"backend.tensor_model_parallel_size={tp}")
     else:
-        engine = FSDPBackendConfig(mixed_precision="float32" if tiny else "bfloat16")
-    run = RunConfig(
-        model=ModelConfig(
-            path=str(model_path),
-            dtype="float32" if tiny else "bfloat16",
-            enable_gradient_checkpointing=not tiny,
-            lora=LoraConfig(rank=16 if tiny else 64, alpha=32, merge=merge),
-        ),
-        data=DataConfig(
-            train_files=["unused"],
-            train_batch_size=batch * dp,
-            max_prompt_length=64,
-            max_response_length=8 if tiny else 128,
-        ),
-        rollout=RolloutConfig(
-            n=n,
-            temperature=1.0,
-            gpu_memory_utilization=0.3,
-            load_format="auto",
-            layered_summon=not tiny and not merge,
-            enforce_eager=not cuda_graphs,
-        ),
-        actor=ActorConfig(
-            optim=OptimConfig(lr=2e-3 if tiny else 1e-4),
-            ppo_mini_batch_size=batch * dp,
-            ppo_micro_batch_size_per_gpu=batch * n,
-            use_kl_loss=True,
-        ),
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(
-            n_gpus_per_node=world, device=device, check_sync=True, check_sync_tolerance=0.1 if tiny else 0.25
-        ),
-        backend=engine,
-    )
-    validate(run)
-    return run
+        overrides.append(f"backend.mixed_precision={'float32' if tiny else 'bfloat16'}")
+    return compose(overrides)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["tiny", "qwen2_5_0_5b"], default="tiny")
+    ap.add_argument("--model", choices=["tiny", *SHAPES], default="tiny")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="prompts per rank per step")

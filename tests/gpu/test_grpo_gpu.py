@@ -22,7 +22,7 @@ from tests.gpu.grpo_gpu_steps import run_name
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 # bf16 policy vs bf16 vLLM on the probe sequence (max over its tokens); fp32 tiny is much tighter.
-PROBE_TOL = {"tiny": 0.1, "qwen2_5_0_5b": 0.25}
+PROBE_TOL = {"tiny": 0.1, "qwen2_5_0_5b": 0.25, "qwen3_0_6b": 0.25}
 # The same engine reading the same probe twice. Exact (0.0 measured) unless vLLM's LoRA shrink
 # kernel splits the hidden dimension: it then sums the splits with atomic adds, whose order
 # varies (vLLM 0.26 triton_ops: split_k=64 below 128 tokens, block_k=256, so a 896-wide
@@ -46,6 +46,10 @@ GPU_CASES = [
     ("megatron", "qwen2_5_0_5b", 2, 2, False),
     ("fsdp", "qwen2_5_0_5b", 1, 1, True),
     ("megatron", "qwen2_5_0_5b", 2, 2, True),
+    # Qwen3 (q_norm/k_norm, no q/k/v bias) at Qwen3-0.6B's shape: vLLM adapter sync + probe,
+    # and Megatron-Bridge's Qwen3Bridge at TP=2.
+    ("fsdp", "qwen3_0_6b", 1, 1, False),
+    ("megatron", "qwen3_0_6b", 2, 2, False),
 ]
 
 

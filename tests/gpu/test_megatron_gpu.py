@@ -20,7 +20,8 @@ exports and log-probs. The pytest side then checks:
 - reference log-probs (PEFT disable_adapter in Megatron) are within TOL of HF base;
 - our own split of the raw Megatron LoRA shards == the bridge's adapter export, exactly;
 - merged export == PEFT merge_and_unload weights (within merge TOL), and != the base.
-Cases: TP=1, TP=2 (fp32; bf16 with an entropy bonus), PP=2, full recompute. Summaries of the
+Cases: TP=1, TP=2 (fp32; bf16 with an entropy bonus), PP=2, full recompute; and Qwen3 at TP=2
+(Qwen3-0.6B's widths: q_norm/k_norm exported as base weights, head_dim 128). Summaries of the
 run on 2 x H200 are in tests/gpu_logs/.
 """
 
@@ -68,50 +69,45 @@ CHECKED_WEIGHTS = (
 
 
 def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
-    from lorarl.config import (
-        ActorConfig,
-        AlgorithmConfig,
-        DataConfig,
-        LoraConfig,
-        MegatronBackendConfig,
-        ModelConfig,
-        OptimConfig,
-        RolloutConfig,
-        RunConfig,
-        TrainerConfig,
-    )
+    from lorarl.config import compose
 
-    return RunConfig(
-        model=ModelConfig(
-            path=hf_dir,
-            dtype=dtype,
-            lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"], init_A="kaiming"),
-        ),
-        data=DataConfig(train_files=["unused"], train_batch_size=N_SEQ),
-        rollout=RolloutConfig(n=1, temperature=1.0),
-        actor=ActorConfig(
-            optim=OptimConfig(lr=5e-3),
-            ppo_mini_batch_size=N_SEQ,
-            ppo_micro_batch_size_per_gpu=4,
-            use_kl_loss=True,
-            kl_loss_type="low_var_kl",
-            grad_clip=1.0,
-            entropy_coeff=0.01 if variant == "entropy" else 0.0,
-        ),  # fmt: skip
-        algorithm=AlgorithmConfig(),
-        trainer=TrainerConfig(n_gpus_per_node=tp * pp, device="cuda", seed=7),
-        backend=MegatronBackendConfig(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            transformer_impl="local",
-            bridge="megatron_bridge",
-            **(
-                {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-                if variant == "recompute"
-                else {}
-            ),
-        ),
-    )
+    # rollout.n=2 (the schema's minimum) with half the prompts: still N_SEQ sequences per
+    # mini-batch (ppo_mini_batch_size x rollout.n), the one mini-batch the worker trains on.
+    overrides = [
+        "+backend=megatron",
+        f"model.path={hf_dir}",
+        "model.builder=null",
+        f"model.dtype={dtype}",
+        "model.enable_gradient_checkpointing=false",
+        f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}",
+        "model.lora.target_modules=[all-linear]",
+        "model.lora.init_A=kaiming",
+        f"data.train_batch_size={N_SEQ // 2}",
+        "rollout.n=2",
+        "rollout.temperature=1.0",
+        "actor.optim.lr=5e-3",
+        f"actor.ppo_mini_batch_size={N_SEQ // 2}",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_type=low_var_kl",
+        "actor.grad_clip=1.0",
+        f"actor.entropy_coeff={0.01 if variant == 'entropy' else 0.0}",
+        f"trainer.n_gpus_per_node={tp * pp}",
+        "trainer.device=cuda",
+        "trainer.seed=7",
+        f"backend.tensor_model_parallel_size={tp}",
+        f"backend.pipeline_model_parallel_size={pp}",
+        "backend.transformer_impl=local",
+        "backend.bridge=megatron_bridge",
+    ]
+    if variant == "recompute":
+        overrides += [
+            "backend.recompute_granularity=full",
+            "backend.recompute_method=uniform",
+            "backend.recompute_num_layers=1",
+        ]
+    return compose(overrides)
 
 
 def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str = "") -> None:
@@ -120,8 +116,8 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.engines.megatron.names import AttentionShape, megatron_lora_to_peft
     from lorarl.sync import PayloadKind
+    from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
     out = Path(out_dir)
     t0 = time.perf_counter()
@@ -193,7 +189,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     # our split of the raw shards vs the bridge's export (layer numbers are stage-local with PP)
     if pp == 1:
-        shape = AttentionShape(num_attention_heads=14, num_query_groups=2, head_dim=64)
+        shape = AttentionShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
         ours = megatron_lora_to_peft(engine.lora_shards(), shape)
         result["own_split_names_equal"] = set(ours) == set(adapter)
         result["own_split_max_diff"] = max(
@@ -235,21 +231,45 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
+def hf_dirs(tmp_path_factory):
+    """arch -> a random-init HF folder with Qwen2.5-0.5B's (qwen2) or Qwen3-0.6B's (qwen3) widths."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    d = tmp_path_factory.mktemp("qwen2_5_0_5b_shaped")
-    cfg = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=LAYERS,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    # float32 files: both dtype cases load from them (bf16 runs cast on load)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(d), safe_serialization=True)
-    return d
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch in built:
+            return built[arch]
+        if arch == "qwen2":
+            cfg = Qwen2Config(
+                vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=LAYERS,
+                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
+                rms_norm_eps=1e-6, tie_word_embeddings=True,
+            )  # fmt: skip
+            model_cls = Qwen2ForCausalLM
+        else:  # q_norm/k_norm per head, no q/k/v bias, head_dim 128 != hidden / heads
+            cfg = Qwen3Config(
+                vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=LAYERS,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            )  # fmt: skip
+            model_cls = Qwen3ForCausalLM
+        d = tmp_path_factory.mktemp(f"{arch}_shaped")
+        torch.manual_seed(0)
+        model = model_cls(cfg)
+        if arch == "qwen3":
+            with torch.no_grad():  # RMSNorm scales start at 1: make a q/k norm mix-up visible
+                for layer in model.model.layers:
+                    layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                    layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        # float32 files: both dtype cases load from them (bf16 runs cast on load)
+        model.save_pretrained(str(d), safe_serialization=True)
+        built[arch] = d
+        return d
+
+    return get
 
 
 def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
@@ -258,15 +278,22 @@ def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].cuda().unsqueeze(-1)).squeeze(-1).cpu()
 
 
+ARCH_CASES = [(*c, "qwen2") for c in CASES] + [(2, 1, "float32", "", "qwen3"), (2, 1, "bfloat16", "", "qwen3")]
+
+
 @pytest.mark.parametrize(
-    "tp, pp, dtype, variant", CASES, ids=[f"tp{t}-pp{p}-{d}{'-' + r if r else ''}" for t, p, d, r in CASES]
+    "tp, pp, dtype, variant, arch",
+    ARCH_CASES,
+    ids=[f"tp{t}-pp{p}-{d}{'-' + r if r else ''}{'-' + a if a != 'qwen2' else ''}" for t, p, d, r, a in ARCH_CASES],
 )
-def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, variant):
+def test_megatron_engine_against_hf_peft(hf_dirs, tmp_path, tp, pp, dtype, variant, arch):
     if torch.cuda.device_count() < tp * pp:
         pytest.skip(f"needs {tp * pp} GPUs")
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = hf_dirs(arch)
 
     out = tmp_path / "out"
     cmd = [
@@ -292,7 +319,14 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
         timeout=1200,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")]),
+            # src/ for lorarl, the repository root for tests.megatron_reference
+            "PYTHONPATH": os.pathsep.join(
+                [
+                    str(Path(__file__).parents[2] / "src"),
+                    str(Path(__file__).parents[2]),
+                    os.environ.get("PYTHONPATH", ""),
+                ]
+            ),
         },
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -300,7 +334,7 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
     result["torchrun_s"] = time.perf_counter() - t0
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    base_model = Qwen2ForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch_dtype).cuda().eval()
+    base_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch_dtype).cuda().eval()
     probe = load_file(str(out / "probe.safetensors"))
     mask = probe["mask"].bool()
     hf_base = _hf_logp(base_model, probe["ids"])
@@ -329,7 +363,8 @@ def test_megatron_engine_against_hf_peft(hf_dir, tmp_path, tp, pp, dtype, varian
     log_dir = os.environ.get("LORARL_GPU_LOG_DIR")
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(log_dir) / f"megatron_tp{tp}_pp{pp}_{dtype}{'_' + variant if variant else ''}.json").write_text(
+        tag = f"{'_' + variant if variant else ''}{'_' + arch if arch != 'qwen2' else ''}"
+        (Path(log_dir) / f"megatron_tp{tp}_pp{pp}_{dtype}{tag}.json").write_text(
             json.dumps(result, indent=1, default=float)
         )
 

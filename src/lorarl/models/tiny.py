@@ -1,9 +1,13 @@
-"""The embedded default model: a tiny Qwen2 with a tokenizer trained on the task text.
+"""The embedded models: a tiny Qwen2 (the default) or Qwen3 with a tokenizer trained on the task text.
 
 A fresh machine has no weights and no network, so the default run builds its own
 model. A random model almost never earns a reward and GRPO learns nothing from
 all-zero groups, so the builder warms the model up with a few seconds of supervised
 steps until it is sometimes right, like an instruct model at the start of RL.
+
+Both architectures share the tokenizer, sizes and warm-up; the Qwen3 one differs the way
+the real families do (per-head RMSNorm on queries and keys, `q_norm`/`k_norm`, and no
+q/k/v bias), so everything downstream of the builder meets a real Qwen3 layout.
 """
 
 from __future__ import annotations
@@ -56,14 +60,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LORARL_CACHE") or Path.home() / ".cache" / "lorarl")
 
 
-def default_tiny_model_path(seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS) -> Path:
-    return default_cache_dir() / f"tiny-qwen2-v{BUILDER_VERSION}-s{seed}-w{warmup_steps}"
+# model.builder value -> architecture built by it.
+ARCHS = {"tiny_qwen2": "qwen2", "tiny_qwen3": "qwen3"}
 
 
-def ensure_tiny_model(path: str | Path, seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS) -> Path:
-    """Return `path` holding the tiny model, building it first unless a complete one is there."""
+def default_tiny_model_path(seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS, arch: str = "qwen2") -> Path:
+    return default_cache_dir() / f"tiny-{arch}-v{BUILDER_VERSION}-s{seed}-w{warmup_steps}"
+
+
+def ensure_tiny_model(
+    path: str | Path, seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS, arch: str = "qwen2"
+) -> Path:
+    """Return `path` holding the tiny `arch` model (qwen2 | qwen3), building it first unless a
+    complete one with the same recipe is there."""
+    if arch not in ARCHS.values():
+        raise ModelError(f"no embedded {arch!r} model; the builder makes {', '.join(ARCHS.values())}")
     path = Path(path).expanduser().absolute()
-    recipe = _recipe(seed, warmup_steps)
+    recipe = _recipe(seed, warmup_steps, arch)
     if _is_complete(path, recipe):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +90,7 @@ def ensure_tiny_model(path: str | Path, seed: int = 0, warmup_steps: int = DEFAU
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the model is meant to be shared
         try:
-            info = _build(tmp, seed, warmup_steps)
+            info = _build(tmp, seed, warmup_steps, arch)
             (tmp / MARKER).write_text(json.dumps({**recipe, **info}, indent=2))
             if path.exists():
                 shutil.rmtree(path)  # a tiny model from another recipe or builder version
@@ -92,8 +105,15 @@ def build_info(path: str | Path) -> dict:
     return json.loads((Path(path) / MARKER).read_text())
 
 
-def _recipe(seed: int, warmup_steps: int) -> dict:
-    return {"builder_version": BUILDER_VERSION, "seed": seed, "warmup_steps": warmup_steps}
+def ensure_built(builder: str, path: str | Path, seed: int = 0) -> Path:
+    """Build the embedded model `model.builder` names at `path` unless it is there already."""
+    if builder not in ARCHS:
+        raise ModelError(f"model.builder={builder!r} is not valid; use null or one of: {', '.join(ARCHS)}")
+    return ensure_tiny_model(path, seed=seed, arch=ARCHS[builder])
+
+
+def _recipe(seed: int, warmup_steps: int, arch: str) -> dict:
+    return {"builder_version": BUILDER_VERSION, "arch": arch, "seed": seed, "warmup_steps": warmup_steps}
 
 
 def _is_complete(path: Path, recipe: dict) -> bool:
@@ -162,11 +182,13 @@ def build_tokenizer(seed_texts: list[str] | None = None):
     )
 
 
-def build_config(tokenizer):
-    from transformers import Qwen2Config
+def build_config(tokenizer, arch: str = "qwen2"):
+    from transformers import Qwen2Config, Qwen3Config
 
     vocab = -(-len(tokenizer) // 64) * 64
-    return Qwen2Config(
+    # Qwen3Config defaults already match the family: attention_bias=False, q_norm/k_norm built in.
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    return config_cls(
         vocab_size=vocab,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
@@ -248,16 +270,16 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 4)
     return right / len(rows)
 
 
-def _build(out_dir: Path, seed: int, warmup_steps: int) -> dict:
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2ForCausalLM
+def _build(out_dir: Path, seed: int, warmup_steps: int, arch: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     start = time.perf_counter()
     build_tokenizer().save_pretrained(out_dir)
     # Train and measure with the tokenizer every consumer will load, not the in-memory one.
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    config = build_config(tokenizer)
+    config = build_config(tokenizer, arch)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     loss = _warmup(model, tokenizer, seed, warmup_steps) if warmup_steps > 0 else float("nan")
     train_s = time.perf_counter() - start
     acc = greedy_accuracy(model, tokenizer, arith.make_rows(200, seed=seed, split="test"))
