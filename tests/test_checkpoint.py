@@ -9,12 +9,11 @@ from lorarl.checkpoint import (
     CheckpointManager,
     flatten_optimizer_state,
     is_complete,
-    load_peft_adapter,
     resolve_resume,
-    save_peft_adapter,
     unflatten_optimizer_state,
 )
 from lorarl.errors import LorarlError
+from lorarl.peft_io import load_peft_adapter, save_peft_adapter
 
 
 def save_step(manager: CheckpointManager, step: int) -> None:

@@ -303,7 +303,7 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
     directory loader does (0.32 names that variant get_rename_mapper, 0.26 get_unstacked_mapper)."""
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from lorarl.rollout.vllm import lora_name_mapper
+    from lorarl.rollout.vllm_worker import lora_name_mapper
 
     full = WeightsMapper(
         orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")}
@@ -341,7 +341,7 @@ def test_wake_makes_vllm_rebuild_its_lora_indices(tiny_model_path: Path, peft_mo
     try:
         r.apply(adapter_payload(peft_model))
         seq, start = prompts[0] + [5, 6, 7, 8], len(prompts[0])
-        rebuilds = lambda: r._engine().collective_rpc(_count_lora_index_rebuilds)[0]  # noqa: E731
+        rebuilds = lambda: r.run_in_worker(_count_lora_index_rebuilds)  # noqa: E731
         first = rebuilds()
         expected = r.prompt_logprobs(seq, start)
         after_one = rebuilds()

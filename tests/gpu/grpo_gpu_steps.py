@@ -269,10 +269,10 @@ def main() -> None:
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
-        outs = worker.rollout._engine().generate(
+        outs = worker.rollout.llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             params,
-            lora_request=worker.rollout._lora_request() if lora else None,
+            lora_request=worker.rollout.lora_request() if lora else None,
             use_tqdm=False,
         )
         secs = time.perf_counter() - start
@@ -336,7 +336,7 @@ def tensor_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
 
 
 def _snapshot(worker) -> dict[str, torch.Tensor]:
-    return worker.rollout._engine().collective_rpc(engine_tensors)[0]
+    return worker.rollout.run_in_worker(engine_tensors)
 
 
 def _resend(worker) -> tuple[dict, float]:
