@@ -154,9 +154,7 @@ def measure(
     rollout = VLLMRollout(path, lora_rank=None, **kw)
     sync_loop("merged", rollout, lambda: WeightPayload.base(merged_stream(model, ALPHA / RANK)))
     for prompts, tokens in workloads:
-        rates[("merged", prompts)] = generation_rates(
-            rollout.llm, all_prompts[:prompts], tokens, None, gen_repeats
-        )
+        rates[("merged", prompts)] = generation_rates(rollout.llm, all_prompts[:prompts], tokens, None, gen_repeats)
     rollout.shutdown()
     del rollout
     release()

@@ -256,7 +256,9 @@ def read_probe(trainer: Tensor, vllm: Tensor, reference: Tensor) -> ProbeReading
     )
 
 
-def judge_probe(reading: ProbeReading, bounds: ProbeBounds, ratio: float = PROBE_RATIO, rank: int | None = None) -> None:
+def judge_probe(
+    reading: ProbeReading, bounds: ProbeBounds, ratio: float = PROBE_RATIO, rank: int | None = None
+) -> None:
     """Raise SyncError when the probe says vLLM does not serve the trainer's weights.
 
     Fails on (a) a worst token beyond the dtype's absolute bound, or (b) a mean distance above
@@ -277,3 +279,37 @@ def judge_probe(reading: ProbeReading, bounds: ProbeBounds, ratio: float = PROBE
             f"diff| {reading.sync_mean:.4f} vs {reading.ref_mean:.4f} to the reference, allowed "
             f"{ratio} x that above {bounds.mean}); the rollout is not using the trained adapter"
         )
+
+
+# ------------------------------------------------------------- run against engine + rollout
+
+
+def verify_adapter(rollout, payload, rank: int | None = None) -> float:
+    """The exact check after an adapter sync: 1.0, or a SyncError naming the first module that
+    differs. `rollout` is a lorarl VLLMRollout, `payload` the adapter WeightPayload it was sent."""
+    held = rollout.held_adapter_slots()
+    expected = expected_adapter_slots(payload.tensors, payload.adapter_config, rollout.adapter_layout(), held)
+    return check_adapter_slots(expected, held, rank)
+
+
+def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
+    """Trainer (adapter on), reference (adapter off) and vLLM log-probs of every probe token
+    after the first. `engine` is a training engine (log_probs with reference=), `rollout` a
+    VLLMRollout."""
+    from lorarl.batch import build_batch
+
+    batch = build_batch([s[:1] for s in sequences], [s[1:] for s in sequences], 0)
+    mask = batch.response_mask.bool()
+    trainer = engine.log_probs(batch, temperature=1.0).float().cpu()[mask]
+    reference = engine.log_probs(batch, reference=True, temperature=1.0).float().cpu()[mask]
+    vllm = torch.tensor([x for row in rollout.prompt_logprobs_many(sequences, 1) for x in row], dtype=torch.float32)
+    return read_probe(trainer, vllm, reference)
+
+
+def timed_adapter_check(rollout, payload, rank: int | None = None) -> dict[str, float]:
+    """verify_adapter as sync metrics: `sync/adapter_match` (1.0; a mismatch raises) and its cost."""
+    import time
+
+    start = time.perf_counter()
+    match = verify_adapter(rollout, payload, rank)
+    return {"sync/adapter_match": match, "sync/adapter_check_seconds": time.perf_counter() - start}

@@ -38,14 +38,27 @@ def resolve_device(requested: str) -> str:
 
 
 def prepare_model(run: RunConfig) -> str:
-    """Local path of the model, building the embedded one on first use."""
+    """Local path of the model, building the embedded one on first use.
+
+    The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
+    gives means that model, so a mistyped one fails in preflight instead of training a toy."""
+    from lorarl.config import cache_dir
+
     path = os.path.expanduser(run.model.path)
-    if run.model.builder == "tiny_qwen2":
+    if run.model.builder == "tiny_qwen2" and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
         from lorarl.models.tiny import ensure_tiny_model
 
         ensure_tiny_model(path, seed=0)
     run.model.path = path
     return path
+
+
+def sampling_seed(seed: int, step: int, shard: int) -> int:
+    """The rollout seed of one data-parallel shard at one step: distinct across shards and steps
+    (seed + step + shard collided: shard 1 of step s drew what shard 0 drew at step s + 1)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, shard]).generate_state(1)[0])
 
 
 def prepare_data(run: RunConfig) -> None:
@@ -115,6 +128,7 @@ class GRPOTrainer:
             self.val_items, _ = prompts(d.val_files)
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
+        self.probe_armed = False  # workers hold probe sequences; set on the first step this process runs
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
         self.ckpt = CheckpointManager(
             ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep
@@ -221,11 +235,18 @@ class GRPOTrainer:
         t_step = time.perf_counter()
         prompts = self.loader.next_batch()
         shards = _split(prompts, self.group.dp_size)
-        seed = self.run.trainer.seed * 1_000_003 + self.step
+        seed = self.run.trainer.seed
         gen = self.group.call_dp(
             "generate",
             [
-                ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
+                (
+                    [p.prompt_ids for p in shard],
+                    r.n,
+                    r.temperature,
+                    r.top_p,
+                    d.max_response_length,
+                    sampling_seed(seed, self.step, i),
+                )
                 for i, shard in enumerate(shards)
             ],
         )
@@ -246,9 +267,12 @@ class GRPOTrainer:
             per_worker.append((p_ids, r_ids, adv.tolist(), self.step))
             all_rewards += rewards
             all_lengths += [len(x) for x in r_ids]
-        if self.run.trainer.check_sync and self.step == 1:
-            # A fixed probe sequence: the first prompt and its first sample, kept for every later sync.
-            self.group.call("set_probe", per_worker[0][0][0] + per_worker[0][1][0], len(per_worker[0][0][0]))
+        if self.run.trainer.check_sync and not self.probe_armed:
+            # Fixed probe sequences (first prompts and their first samples), kept for every later
+            # sync; armed on the first step this process runs, so a resumed run checks too.
+            p_ids, r_ids = per_worker[0][0], per_worker[0][1]
+            self.group.call("set_probe", [p_ids[k] + r_ids[k] for k in range(0, len(p_ids), r.n)])
+            self.probe_armed = True
 
         t0 = time.perf_counter()
         sleep_s = self.group.call("sleep")[0]
@@ -267,8 +291,9 @@ class GRPOTrainer:
         }
         metrics.update(_mean_over_workers(train))
         metrics.update(syncs[0])
-        if "sync/logprob_diff_max" in syncs[0]:
-            metrics["sync/logprob_diff_max"] = max(s["sync/logprob_diff_max"] for s in syncs)
+        for key in ("sync/logprob_diff_max", "sync/logprob_diff_mean"):
+            if key in syncs[0]:
+                metrics[key] = max(s[key] for s in syncs)
         metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
         metrics["timing/gen"] = t_gen
         metrics["timing/train"] = t_update

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lorarl import sync_checks
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig
-from lorarl.errors import SyncError
 from lorarl.sync import PayloadKind, SyncStats
 
 
@@ -40,7 +40,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.engine = None
         self.rollout = None
-        self.probe_seq: tuple[list[int], int] | None = None
+        self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
 
     # Ray calls these on every worker before anything else.
     def node_address(self) -> tuple[str, int]:
@@ -143,6 +143,7 @@ class Worker:
             self.rollout.wake_up(tags=["weights"])
             t_wake = time.perf_counter() - t0
         stats: list[SyncStats] = []
+        checks: dict = {}
         if self.run.model.lora.merge or not self.rollout.base_loaded:
             payload, gather_s = self.engine.export(PayloadKind.BASE)
             stats.append(self._apply(payload, gather_s))
@@ -150,6 +151,8 @@ class Worker:
             method = "layered" if r.layered_summon else "bucketed"
             payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method)
             stats.append(self._apply(payload, gather_s))
+            if self.run.trainer.check_sync:
+                checks = sync_checks.timed_adapter_check(self.rollout, payload, self.rank)
         if self._sleeps:
             t0 = time.perf_counter()
             self.rollout.wake_up(tags=["kv_cache"])
@@ -166,8 +169,9 @@ class Worker:
         }
         if self._sleeps:
             out["timing/wake"] = t_wake
-        if self.run.trainer.check_sync and self.probe_seq is not None:
-            out["sync/logprob_diff_max"] = self.probe()
+        out.update(checks)
+        if self.run.trainer.check_sync and self.probe_seqs is not None:
+            out.update(self.probe())
         return out
 
     def _apply(self, payload, gather_s: float) -> SyncStats:
@@ -184,33 +188,22 @@ class Worker:
         torch.cuda.empty_cache()
         return time.perf_counter() - t0
 
-    def set_probe(self, token_ids: list[int], start: int) -> None:
-        self.probe_seq = (list(token_ids), start)
+    # The sync checks live in lorarl.sync_checks; these are their call sites.
+    def set_probe(self, sequences: list[list[int]]) -> None:
+        self.probe_seqs = sync_checks.choose_probes(sequences)
 
     @property
-    def probe_tolerance(self) -> float:
-        configured = self.run.trainer.check_sync_tolerance
-        if configured is not None:
-            return configured
+    def probe_bounds(self) -> sync_checks.ProbeBounds:
         # FSDP's mixed precision applies on GPU only; Megatron computes in model.dtype.
         mixed = getattr(self.run.backend, "mixed_precision", "float32") if self.device.type == "cuda" else "float32"
         trainer_fp32 = self.run.model.dtype == "float32" and mixed == "float32"
-        return 1e-3 if trainer_fp32 and self.rollout.dtype == "float32" else 0.15
+        return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.run.trainer.check_sync_tolerance)
 
-    def probe(self) -> float:
-        """Max |trainer - vLLM| log-prob over the probe's response tokens; too large is an error."""
-        token_ids, start = self.probe_seq
-        batch = build_batch([token_ids[:start]], [token_ids[start:]], 0)
-        trainer = self.engine.log_probs(batch, temperature=1.0)[0, start - 1 : len(token_ids) - 1]
-        vllm = torch.tensor(self.rollout.prompt_logprobs(token_ids, start), dtype=torch.float32)
-        diff = float((trainer - vllm).abs().max())
-        tol = self.probe_tolerance
-        if diff > tol:
-            raise SyncError(
-                f"rank {self.rank}: after the sync vLLM and the trainer disagree on the probe sequence "
-                f"(max |log-prob diff| {diff:.4f} > trainer.check_sync_tolerance={tol}); the rollout is not using the trained weights"
-            )
-        return diff
+    def probe(self) -> dict[str, float]:
+        """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
+        reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
+        sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
+        return reading.as_metrics()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

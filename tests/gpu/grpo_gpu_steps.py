@@ -227,7 +227,7 @@ def main() -> None:
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
         if step == 1:
-            worker.set_probe(p_ids[0] + r_ids[0], len(p_ids[0]))
+            worker.set_probe([p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)])
         t_sleep = worker.sleep()
         train = worker.train_step(p_ids, r_ids, adv, step)
         t_sync0 = time.perf_counter()
@@ -340,7 +340,9 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
 
 
 def _resend(worker) -> tuple[dict, float]:
-    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe diff)."""
+    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
+    from lorarl import sync_checks
+
     t = worker.run.trainer
     check = t.check_sync
     t.check_sync = False
@@ -348,19 +350,14 @@ def _resend(worker) -> tuple[dict, float]:
         out = worker.sync()
     finally:
         t.check_sync = check
-    tol = t.check_sync_tolerance
-    t.check_sync_tolerance = float("inf")
-    try:
-        return out, worker.probe()
-    finally:
-        t.check_sync_tolerance = tol
+    return out, sync_checks.measure_probe(worker.engine, worker.rollout, worker.probe_seqs).sync_max
 
 
 def _greedy_and_probe(worker, prompts):
     """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
     so cached and fresh prefills are never compared."""
     r = worker.rollout
-    seq, start = worker.probe_seq
+    seq, start = worker.probe_seqs[0], 1
     r.reset_prefix_cache()
     tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
     r.reset_prefix_cache()
@@ -401,7 +398,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.probe()
+    probe1 = worker.probe()["sync/logprob_diff_max"]
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded

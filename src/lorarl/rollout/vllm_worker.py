@@ -184,5 +184,7 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
             parts = [name] if len(stacks_a) == 1 else [f"{name}[{i}]" for i in range(len(stacks_a))]
         for part, a, b in zip(parts, stacks_a, stacks_b):
             slot_a, slot_b = a[index, 0], b[index, 0]
-            out[part] = LoraSlot(part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b))
+            out[part] = LoraSlot(
+                part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b)
+            )
     return out
