@@ -201,6 +201,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["trainer.logger=[console,mlflow]"], "trainer.logger"),
         (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
+        (["rollout.temperature=0"], "rollout.temperature"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):

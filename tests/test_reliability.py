@@ -187,6 +187,30 @@ def test_model_path_that_does_not_exist(cache, tmp_path):
     assert_nothing_written(tmp_path / "run")
 
 
+def test_model_path_given_with_the_default_preset_means_that_model(cache, tmp_path, monkeypatch, tiny_model_path):
+    """The tiny-model builder writes only into the lorarl cache: a mistyped path is the usual
+    one-line error (no toy model trained in its place), and a user's own model is used as is."""
+    from lorarl.config import to_run_config
+    from lorarl.models.tiny import MARKER
+    from lorarl.trainer import prepare_model
+
+    missing = tmp_path / "typo_model"
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={missing}")
+    assert f"model.path='{missing}' does not exist" in str(err)
+    assert not missing.exists()
+
+    own = tmp_path / "own_model"
+    shutil.copytree(tiny_model_path, own, ignore=shutil.ignore_patterns(MARKER))
+    with composing():
+        from hydra import compose
+
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", *SMALL, f"model.path={own}"])
+    run = to_run_config(cfg)
+    assert run.model.builder == "tiny_qwen2"  # the default preset
+    assert prepare_model(run) == str(own)
+    assert not (own / MARKER).exists()
+
+
 def test_model_that_is_not_a_causal_lm(cache, tmp_path, monkeypatch):
     from transformers import BertConfig
 

@@ -65,7 +65,9 @@ def probes(worker, tiny_tokenizer):
     from lorarl.data import arith
     from lorarl.models.tiny import prompt_ids
 
-    seqs = [prompt_ids(tiny_tokenizer, r["prompt"]) + [5, 6, 7, 8, 9, 10] for r in arith.make_rows(6, seed=2, split="test")]
+    seqs = [
+        prompt_ids(tiny_tokenizer, r["prompt"]) + [5, 6, 7, 8, 9, 10] for r in arith.make_rows(6, seed=2, split="test")
+    ]
     worker.set_probe(seqs)
     assert all(len(s) >= 2 for s in worker.probe_seqs)
     return worker.probe_seqs

@@ -13,12 +13,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from lorarl.errors import SyncError
+
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
 def save_peft_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], adapter_config: dict) -> Path:
-    """Write (or overwrite) the adapter folder; the tensors are copied to host memory first."""
+    """Write (or overwrite) the adapter folder; the tensors are copied to host memory first.
+
+    Refuses an empty adapter: PEFT and vLLM would load it as the untrained base model."""
+    if not tensors:
+        raise SyncError(
+            f"no LoRA tensors to write to {directory}; an empty adapter folder would load as the base model"
+        )
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
