@@ -8,6 +8,7 @@ reference (its end-to-end runs are in test_sync_probe.py).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,33 @@ def test_untargeted_modules_must_hold_zeros_and_lower_rank_pads(rollout, tiny_mo
     rollout.apply(sent)  # rank 4 in a rank-8 engine: B sits in a padded slot
     assert sync_checks.verify_adapter(rollout, sent) == 1.0
     assert rollout.held_adapter_slots()["model.layers.0.self_attn.v_proj"].a == ZERO
+
+
+# -------------------------------------------------------- merged mode: the pushed weights
+
+
+def _bump_norm(worker) -> None:
+    """Inside vLLM's worker: change one stored bit of a layer norm, as a lost write would."""
+    from lorarl.rollout.vllm_worker import vllm_worker
+
+    model = vllm_worker(worker).model_runner.get_model()
+    weight = dict(model.named_parameters())["model.layers.1.post_attention_layernorm.weight"]
+    weight.data.view(torch.int32)[7] += 1
+
+
+def test_merged_weights_fingerprint(tiny_model_path: Path, peft_model):
+    merged = copy.deepcopy(peft_model)
+    with torch.no_grad():
+        for name, p in merged.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    state = merged.merge_and_unload().state_dict()
+    with VLLMRollout(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, fingerprint_base=True) as r:
+        r.apply(WeightPayload.base(state.items()))
+        metrics = sync_checks.timed_weights_check(r, rank=0)
+        # The CPU build keeps linear weights only packed for its GEMM library: embeddings and
+        # norms are what can be read back here (on GPU every weight is).
+        assert metrics["sync/weights_match"] == 1.0 and metrics["sync/weights_checked"] >= 5
+        r.run_in_worker(_bump_norm)
+        with pytest.raises(SyncError, match="'model.layers.1.post_attention_layernorm.weight' .* differs"):
+            sync_checks.verify_weights(r, rank=0)

@@ -313,3 +313,37 @@ def timed_adapter_check(rollout, payload, rank: int | None = None) -> dict[str, 
     start = time.perf_counter()
     match = verify_adapter(rollout, payload, rank)
     return {"sync/adapter_match": match, "sync/adapter_check_seconds": time.perf_counter() - start}
+
+
+def verify_weights(rollout, rank: int | None = None) -> tuple[float, int]:
+    """The exact check after a base (or merged) sync: every parameter vLLM serves and can show
+    equals the payload as cast to vLLM's dtype. Returns (1.0, parameters checked); a mismatch is
+    a SyncError naming the first. The CPU build keeps linear weights only in its GEMM library's
+    packed form, so there only the rest (embeddings, norms) can be checked."""
+    who = "" if rank is None else f"rank {rank}: "
+    expected = rollout.sent_weight_fingerprints()
+    held = rollout.held_weight_fingerprints(rollout.sent_numels())
+    checked = 0
+    for name in sorted(held):
+        if held[name] is None:
+            continue
+        got, dtype = held[name]
+        if got != expected[name]:
+            raise SyncError(
+                f"{who}after the sync vLLM's '{name}' ({dtype}) differs from what the trainer sent "
+                f"({len(held)} weights compared); the rollout is not using the trained weights"
+            )
+        checked += 1
+    return 1.0, checked
+
+
+def timed_weights_check(rollout, rank: int | None = None) -> dict[str, float]:
+    import time
+
+    start = time.perf_counter()
+    match, checked = verify_weights(rollout, rank)
+    return {
+        "sync/weights_match": match,
+        "sync/weights_checked": checked,
+        "sync/weights_check_seconds": time.perf_counter() - start,
+    }

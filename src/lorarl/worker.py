@@ -79,6 +79,7 @@ class Worker:
             enable_sleep_mode=self._sleeps,
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
+            fingerprint_base=self.run.trainer.check_sync,
         )
         self.engine = make_engine(self.run, self.device)
         if self._sleeps:
@@ -147,12 +148,14 @@ class Worker:
         if self.run.model.lora.merge or not self.rollout.base_loaded:
             payload, gather_s = self.engine.export(PayloadKind.BASE)
             stats.append(self._apply(payload, gather_s))
+            if self.run.trainer.check_sync:
+                checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))
         if not self.run.model.lora.merge:
             method = "layered" if r.layered_summon else "bucketed"
             payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method)
             stats.append(self._apply(payload, gather_s))
             if self.run.trainer.check_sync:
-                checks = sync_checks.timed_adapter_check(self.rollout, payload, self.rank)
+                checks.update(sync_checks.timed_adapter_check(self.rollout, payload, self.rank))
         if self._sleeps:
             t0 = time.perf_counter()
             self.rollout.wake_up(tags=["kv_cache"])

@@ -29,7 +29,7 @@ from lorarl.errors import ConfigError, SyncError
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_worker
 from lorarl.sync import PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
-from lorarl.sync_checks import AdapterLayout, LoraSlot
+from lorarl.sync_checks import AdapterLayout, Fingerprint, LoraSlot, combine, fingerprint
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
 # per sync, requests could keep naming an old one; with the same id and no
@@ -74,7 +74,10 @@ class VLLMRollout:
         kv_cache_bytes: int | None = None,
         max_num_seqs: int | None = None,
         trust_remote_code: bool = False,
+        fingerprint_base: bool = False,
     ) -> None:
+        """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
+        `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
         if adapter_transport not in ("tmpfs", "memory"):
             raise ConfigError(f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'")
         # The engine must live in this process: weights are pushed into its worker
@@ -101,6 +104,8 @@ class VLLMRollout:
         self._layout: AdapterLayout | None = None
         self._has_adapter = False
         self._rejected: str | None = None  # why the last adapter failed to load; generate refuses meanwhile
+        self.fingerprint_base = fingerprint_base
+        self._sent: dict[str, tuple[Fingerprint, int]] = {}  # per HF name, of the last base payload
         self._asleep = False
 
         kwargs: dict = dict(
@@ -201,6 +206,25 @@ class VLLMRollout:
     def run_in_worker(self, fn: Callable, *args):
         """Run `fn(worker, *args)` inside vLLM's worker (one per engine here) and return its result."""
         return self.llm.collective_rpc(fn, args=args)[0]
+
+    def sent_weight_fingerprints(self) -> dict[str, Fingerprint]:
+        """Per parameter vLLM serves, the fingerprint the last base payload should have left
+        there (q/k/v and gate/up combined in vLLM's fused order). Needs fingerprint_base=True."""
+        parts: dict[str, list[tuple[int, Fingerprint, int]]] = {}
+        for name, (fp, numel) in self._sent.items():
+            proj = name.rpartition(".")[0].rpartition(".")[2]
+            parts.setdefault(served_name(name), []).append((_FUSED_ORDER.get(proj, 0), fp, numel))
+        return {name: combine((fp, n) for _, fp, n in sorted(p, key=lambda x: x[0])) for name, p in parts.items()}
+
+    def held_weight_fingerprints(self, numels: dict[str, int]) -> dict[str, tuple | None]:
+        """(fingerprint, dtype) of the parameters vLLM serves (None where it keeps them unreadable)."""
+        return self.run_in_worker(vllm_worker.weight_fingerprints, numels)
+
+    def sent_numels(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, (_, numel) in self._sent.items():
+            out[served_name(name)] = out.get(served_name(name), 0) + numel
+        return out
 
     def adapter_layout(self) -> AdapterLayout:
         """vLLM's LoRA dtype, scaling rule and adapter name parser (read once)."""
@@ -306,10 +330,15 @@ class VLLMRollout:
     def _apply_base(self, payload: WeightPayload) -> SyncStats:
         stats = SyncStats(PayloadKind.BASE)
 
+        cast = self.run_in_worker(vllm_worker.model_dtype) if self.fingerprint_base else None
+        self._sent = {}
+
         def counted() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in payload.tensors:
                 stats.num_tensors += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
+                if cast is not None:  # where the tensor lives, before vLLM takes it
+                    self._sent[name] = (fingerprint(tensor, cast), tensor.numel())
                 yield name, tensor
 
         start = time.perf_counter()
@@ -358,9 +387,9 @@ class VLLMRollout:
         load) whatever a base payload leaves out is garbage, and vLLM does not say so. Names
         vLLM has no parameter for (a tied lm_head) are its loader's business."""
         if self._served_names is None:
-            self._served_names = frozenset(self.run_in_worker(vllm_worker.param_names))
-        covered = {served_name(name) for name in sent}
-        missing = sorted(self._served_names - covered)
+            served = self.run_in_worker(vllm_worker.param_names)
+            self._served_names = frozenset(part for name in served for part in hf_parts(name))
+        missing = sorted(self._served_names - set(sent))
         if missing:
             raise SyncError(
                 f"base payload covered {len(self._served_names) - len(missing)} of the {len(self._served_names)} "
@@ -526,6 +555,8 @@ _FUSED_INTO = {
     "o_proj": "o_proj",
     "down_proj": "down_proj",
 }
+# Where each projection sits inside its fused parameter (rows, in this order).
+_FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
 def served_name(name: str) -> str:
@@ -534,6 +565,14 @@ def served_name(name: str) -> str:
     prefix, _, proj = module.rpartition(".")
     fused = _FUSED_INTO.get(proj)
     return name if fused is None else f"{prefix}.{fused}.{leaf}"
+
+
+def hf_parts(served: str) -> list[str]:
+    """The HF weights that fill vLLM parameter `served` (qkv_proj.weight -> q/k/v_proj.weight)."""
+    module, _, leaf = served.rpartition(".")
+    prefix, _, fused = module.rpartition(".")
+    parts = sorted((p for p, f in _FUSED_INTO.items() if f == fused), key=lambda p: _FUSED_ORDER.get(p, 0))
+    return [f"{prefix}.{p}.{leaf}" for p in parts] if parts else [served]
 
 
 def resolve_base_name(name: str, live: frozenset[str]) -> str:

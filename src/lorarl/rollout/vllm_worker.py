@@ -188,3 +188,24 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
                 part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b)
             )
     return out
+
+
+def model_dtype(worker):
+    """The dtype vLLM computes in (what a base payload is cast to when loaded)."""
+    return vllm_worker(worker).model_runner.model_config.dtype
+
+
+def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
+    """(fingerprint, dtype) of the first `numels[name]` elements of each named parameter vLLM
+    serves (`.base_layer` removed); the prefix skips any padding vLLM adds (vocab rows).
+    Parameters vLLM no longer keeps readable (the CPU build repacks linear weights into its
+    GEMM library's layout and leaves an empty tensor) come back as None."""
+    model = vllm_worker(worker).model_runner.get_model()
+    out: dict[str, tuple] = {}
+    for name, param in model.named_parameters():
+        name = name.replace(".base_layer.", ".")
+        if name not in numels:
+            continue
+        flat = param.detach().reshape(-1)
+        out[name] = None if flat.numel() < numels[name] else (fingerprint(flat[: numels[name]]), str(param.dtype))
+    return out
