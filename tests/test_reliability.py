@@ -553,6 +553,10 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'global_step_{newest - 1}'} at step {newest - 1}" in again.stdout
     assert steps_on_disk(run / "checkpoints") == list(range(1, newest + 2))
+    # Both sync checks run in the resumed process too (the probe is armed on its first step).
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in rows if r.get("step", 0) >= newest]
+    assert after and all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
 
 
 @pytest.mark.slow

@@ -203,9 +203,11 @@ class ProbeBounds:
 
 
 # Measured with correct weights: fp32 on both sides 6e-5 max (CPU, tiny model); bf16 0.03 max at
-# 0.5B (H200) and 0.157-0.20 at 7B (H200, r=64, CUDA graphs). The 16-bit bounds leave 2.5x.
+# 0.5B (H200) and 0.157-0.20 at 7B (H200, r=64, CUDA graphs). The 16-bit max bound leaves 2.5x
+# over 7B; its mean bound is half the worst token seen at 7B (the mean of a token-wise noise
+# sits well below its max; tests/gpu/test_sync_checks_gpu.py logs both).
 FP32_BOUNDS = ProbeBounds(max=1e-3, mean=2e-4)
-HALF_BOUNDS = ProbeBounds(max=0.5, mean=0.05)
+HALF_BOUNDS = ProbeBounds(max=0.5, mean=0.1)
 # Once the adapter has moved the policy, a correct sync leaves vLLM much closer to the trainer
 # than the adapter-off reference is: a zeroed adapter reads ~1x, a correct one ~0.
 PROBE_RATIO = 0.5

@@ -131,7 +131,7 @@ def worker():
 
 def moved_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    lora = {k: torch.randn(v.shape, generator=gen) * 0.02 for k, v in worker.engine.lora_state().items()}
+    lora = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in worker.engine.lora_state().items()}
     worker.engine.load_state(lora, None, None)
     return lora
 
