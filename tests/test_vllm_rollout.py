@@ -287,7 +287,9 @@ def test_base_payload_must_cover_every_weight_vllm_serves(merged_rollout, hf_bas
     )
     assert r.base_loaded
     left_out = [(n, t) for n, t in items if n != "model.layers.1.self_attn.k_proj.weight"]
-    with pytest.raises(SyncError, match=r"covered \d+ of the \d+ weights vLLM serves.*layers.1.self_attn.k_proj.weight"):
+    with pytest.raises(
+        SyncError, match=r"covered \d+ of the \d+ weights vLLM serves.*layers.1.self_attn.k_proj.weight"
+    ):
         r.apply(WeightPayload.base(left_out))
     assert r.base_loaded is False
     r.apply(WeightPayload.base(items))
