@@ -110,8 +110,8 @@ class WorkerGroup:
                 results[done[0]] = ray.get(done[0])
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                 culprit, err = self._root_failure(refs, done[0], err, pending)
-                if pending:
-                    self._kill_workers()
+                if pending and ray.wait(pending, num_returns=len(pending), timeout=0)[1]:
+                    self._kill_workers()  # some are still running, e.g. waiting for the failed one
                 raise self._one_line(culprit, err) from err
         return [results[r] for r in refs]
 
