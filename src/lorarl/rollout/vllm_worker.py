@@ -135,7 +135,13 @@ def adapter_layout(worker) -> AdapterLayout:
     mapper = lora_name_mapper(getattr(adapters.model, "hf_to_vllm_mapper", None))
 
     def module_of(name: str) -> tuple[str, bool]:
-        module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
+        try:
+            module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
+        except TypeError as exc:  # a vLLM whose parser takes no name mapper
+            raise SyncError(
+                f"this vLLM's parse_fine_tuned_lora_name does not take a weights mapper ({exc}); lorarl cannot map "
+                "adapter names to its LoRA modules (trainer.check_sync=false turns the sync checks off)"
+            ) from None
         return module, is_a
 
     def scaling_of(config: dict, peft_module: str) -> float:
@@ -183,6 +189,12 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
         if len(parts) != len(stacks_a):
             parts = [name] if len(stacks_a) == 1 else [f"{name}[{i}]" for i in range(len(stacks_a))]
         for part, a, b in zip(parts, stacks_a, stacks_b):
+            if a.dim() != 4 or b.dim() != 4:
+                raise SyncError(
+                    f"this vLLM keeps the LoRA stacks of {name} as {tuple(a.shape)} / {tuple(b.shape)}, not "
+                    "(max_loras, 1, rows, cols); lorarl cannot fingerprint them (trainer.check_sync=false turns the "
+                    "sync checks off)"
+                )
             slot_a, slot_b = a[index, 0], b[index, 0]
             out[part] = LoraSlot(
                 part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b)
