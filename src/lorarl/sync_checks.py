@@ -235,6 +235,7 @@ class ProbeReading:
     sync_mean: float  # mean |trainer - vLLM|
     ref_mean: float  # mean |trainer - reference (adapter off)|
     tokens: int
+    trainer_finite: bool = True  # False: the trainer's own log-probs hold NaN/inf (training diverged)
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
         return {
@@ -254,7 +255,11 @@ def read_probe(trainer: Tensor, vllm: Tensor, reference: Tensor) -> ProbeReading
         )
     sync = (trainer - vllm).abs()
     return ProbeReading(
-        float(sync.max()), float(sync.mean()), float((trainer - reference).abs().mean()), trainer.numel()
+        float(sync.max()),
+        float(sync.mean()),
+        float((trainer - reference).abs().mean()),
+        trainer.numel(),
+        bool(torch.isfinite(trainer).all()),
     )
 
 
@@ -266,8 +271,11 @@ def judge_probe(
     Fails on (a) a worst token beyond the dtype's absolute bound, or (b) a mean distance above
     the dtype's noise that is not small against the adapter's own effect (trainer vs reference).
     While the adapter has barely moved, (b) cannot tell a stale adapter from noise in 16-bit;
-    the exact fingerprint covers that.
+    the exact fingerprint covers that. A trainer whose own log-probs are NaN/inf has diverged:
+    nothing to compare against here, and the next update stops the run naming the step.
     """
+    if not reading.trainer_finite:
+        return
     who = "" if rank is None else f"rank {rank}: "
     if not math.isfinite(reading.sync_max) or reading.sync_max > bounds.max:
         raise SyncError(
