@@ -142,10 +142,10 @@ def measure(
             # from finding its memory (7B: 62.7 of 62.9 GiB free).
             for prompts, tokens in workloads:
                 rates[("adapter", prompts)] = generation_rates(
-                    rollout._engine(), all_prompts[:prompts], tokens, rollout._lora_request(), gen_repeats
+                    rollout.llm, all_prompts[:prompts], tokens, rollout.lora_request(), gen_repeats
                 )
                 rates[("lora_no_adapter", prompts)] = generation_rates(
-                    rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats
+                    rollout.llm, all_prompts[:prompts], tokens, None, gen_repeats
                 )
         rollout.shutdown()
         del rollout
@@ -154,9 +154,7 @@ def measure(
     rollout = VLLMRollout(path, lora_rank=None, **kw)
     sync_loop("merged", rollout, lambda: WeightPayload.base(merged_stream(model, ALPHA / RANK)))
     for prompts, tokens in workloads:
-        rates[("merged", prompts)] = generation_rates(
-            rollout._engine(), all_prompts[:prompts], tokens, None, gen_repeats
-        )
+        rates[("merged", prompts)] = generation_rates(rollout.llm, all_prompts[:prompts], tokens, None, gen_repeats)
     rollout.shutdown()
     del rollout
     release()

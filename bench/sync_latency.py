@@ -145,7 +145,7 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
 
     # (c) shares the tmpfs engine: vLLM keeps one adapter (max_loras=1), so each method's load
     # evicts the other's, exactly as a fresh id evicts the previous step's adapter.
-    naive_llm = engines["a_tmpfs"]._engine()
+    naive_llm = engines["a_tmpfs"].llm
     disk_dir = scratch / f"naive_adapter_{name}"
     shutil.rmtree(disk_dir, ignore_errors=True)
     naive_request = None
@@ -254,9 +254,9 @@ def measure_generation(name: str, cfg: str, engines: dict, tokenizer, repeats: i
     ]
     params = SamplingParams(n=GEN_N, max_tokens=GEN_TOKENS, ignore_eos=True, temperature=1.0, detokenize=False)
     runs = {
-        "adapter": (engines["a_tmpfs"]._engine(), engines["a_tmpfs"]._lora_request()),
-        "merged": (engines["b_merged"]._engine(), None),
-        "lora_engine_no_adapter": (engines["a_tmpfs"]._engine(), None),
+        "adapter": (engines["a_tmpfs"].llm, engines["a_tmpfs"].lora_request()),
+        "merged": (engines["b_merged"].llm, None),
+        "lora_engine_no_adapter": (engines["a_tmpfs"].llm, None),
     }
     labels = {
         "adapter": "generate: LoRA engine, adapter attached",

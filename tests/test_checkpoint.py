@@ -9,12 +9,11 @@ from lorarl.checkpoint import (
     CheckpointManager,
     flatten_optimizer_state,
     is_complete,
-    load_peft_adapter,
     resolve_resume,
-    save_peft_adapter,
     unflatten_optimizer_state,
 )
 from lorarl.errors import LorarlError
+from lorarl.peft_io import load_peft_adapter, save_peft_adapter
 
 
 def save_step(manager: CheckpointManager, step: int) -> None:
@@ -72,3 +71,11 @@ def test_adapter_and_optimizer_round_trip(tmp_path):
     back = unflatten_optimizer_state(flat, meta)
     assert back["param_groups"] == osd["param_groups"]
     assert torch.equal(back["state"]["p.lora_A"]["exp_avg"], torch.ones(2))
+
+
+def test_empty_adapter_is_never_written(tmp_path):
+    from lorarl.errors import SyncError
+
+    with pytest.raises(SyncError, match="no LoRA tensors"):
+        save_peft_adapter(tmp_path / "a", {}, {"r": 4, "lora_alpha": 8})
+    assert not (tmp_path / "a").exists()

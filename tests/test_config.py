@@ -284,6 +284,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
         (["model.builder=tiny_llama"], "model.builder='tiny_llama' is not valid; use null or one of: tiny_qwen2"),
+        (["rollout.temperature=0"], "rollout.temperature"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):

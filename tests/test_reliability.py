@@ -3,7 +3,7 @@
 Every case goes through the real entry point, `python -m recipes.grpo`, and checks the
 message (one line naming the key or file and the fix), the exit status (2 for a user error),
 that stderr holds no traceback, and what is left on disk. Most cases fail before Ray starts;
-four runs start workers (divergence, a killed worker + resume, SIGTERM).
+five runs start workers (divergence, a killed worker + resume, one of two workers killed, SIGTERM).
 """
 
 from __future__ import annotations
@@ -185,6 +185,30 @@ def test_model_path_that_does_not_exist(cache, tmp_path):
     out = grpo(tmp_path / "run", cache, f"model.path={missing}", "model.builder=null")
     error_line(out, f"model.path='{missing}'", "does not exist")
     assert_nothing_written(tmp_path / "run")
+
+
+def test_model_path_given_with_the_default_preset_means_that_model(cache, tmp_path, monkeypatch, tiny_model_path):
+    """The tiny-model builder writes only into the lorarl cache: a mistyped path is the usual
+    one-line error (no toy model trained in its place), and a user's own model is used as is."""
+    from lorarl.config import to_run_config
+    from lorarl.models.tiny import MARKER
+    from lorarl.trainer import prepare_model
+
+    missing = tmp_path / "typo_model"
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={missing}")
+    assert f"model.path='{missing}' does not exist" in str(err)
+    assert not missing.exists()
+
+    own = tmp_path / "own_model"
+    shutil.copytree(tiny_model_path, own, ignore=shutil.ignore_patterns(MARKER))
+    with composing():
+        from hydra import compose
+
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", *SMALL, f"model.path={own}"])
+    run = to_run_config(cfg)
+    assert run.model.builder == "tiny_qwen2"  # the default preset
+    assert prepare_model(run) == str(own)
+    assert not (own / MARKER).exists()
 
 
 def test_model_that_is_not_a_causal_lm(cache, tmp_path, monkeypatch):
@@ -529,6 +553,52 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'global_step_{newest - 1}'} at step {newest - 1}" in again.stdout
     assert steps_on_disk(run / "checkpoints") == list(range(1, newest + 2))
+    # Both sync checks run in the resumed process too (the probe is armed on its first step).
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in rows if r.get("step", 0) >= newest]
+    assert after and all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
+
+
+@pytest.mark.slow
+def test_one_of_two_workers_killed_stops_the_run_within_15_s(cache, tmp_path):
+    """Two workers: one is SIGKILLed while its peer will sit in a collective. The run ends with
+    exit 2 and one line naming the dead worker and the last checkpoint, within 15 s, and leaves
+    no process and no tmpfs adapter folder behind."""
+    run = tmp_path / "run"
+    bg = Background(
+        run,
+        cache,
+        "trainer.n_gpus_per_node=2",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.save_freq=1",
+        "trainer.total_steps=50",
+    )
+    bg.wait_for("step 2:")
+    procs = descendants(bg.proc.pid)
+    workers = sorted(p for p, cmd in procs.items() if cmd.startswith(b"ray::Worker"))
+    assert len(workers) == 2, procs
+    os.kill(workers[1], signal.SIGKILL)
+    out = bg.finish(timeout=60)
+    line = error_line(out, "a worker process died (worker ", " of 2)", "last complete checkpoint: ")
+    assert re.search(r"\(worker [01] of 2\)", line), line
+    assert bg.seconds < 15, f"took {bg.seconds:.1f} s to stop after the kill"
+    assert_all_gone(procs, grace=5)
+    assert not [p for w in workers for p in Path("/dev/shm").glob(f"lorarl-adapter-{w}-*")]
+
+
+def test_adapter_folders_of_dead_processes_are_removed_at_start(tmp_path):
+    from lorarl.rollout.engine_process import ADAPTER_DIR_PREFIX, remove_stale_adapter_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{ADAPTER_DIR_PREFIX}{dead.pid}-abc"
+    mine = tmp_path / f"{ADAPTER_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{ADAPTER_DIR_PREFIX}notapid"
+    for d in (stale, mine, other):
+        d.mkdir()
+        (d / "adapter_config.json").write_text("{}")
+    assert remove_stale_adapter_dirs(tmp_path) == [stale]
+    assert not stale.exists() and mine.is_dir() and other.is_dir()
 
 
 @pytest.mark.slow

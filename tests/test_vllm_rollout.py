@@ -181,6 +181,24 @@ def test_rank_above_the_engine_limit_is_refused(rollout, tiny_model_path: Path):
     assert rollout.num_adapters() == before
 
 
+def test_rejected_adapter_leaves_no_adapter_and_generate_refuses(rollout, peft_model, prompts):
+    randomize(peft_model, seed=21)
+    good = adapter_payload(peft_model)
+    rollout.apply(good)
+    tensors = dict(good.tensors)
+    # An input width the model does not have: the payload is well formed, vLLM's slot copy fails.
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.randn(8, 300)
+    with pytest.raises(SyncError, match="vLLM rejected the adapter"):
+        rollout.apply(WeightPayload.adapter(tensors, good.adapter_config))
+    assert not rollout.has_adapter and rollout.adapter_rejected and rollout.num_adapters() == 0
+    for call in (lambda: rollout.generate(prompts[:1]), lambda: rollout.prompt_logprobs(prompts[0], 1)):
+        with pytest.raises(SyncError, match="holds no valid adapter: vLLM rejected the last one"):
+            call()
+    rollout.apply(good)  # the next valid adapter serves again
+    assert rollout.adapter_rejected is None and rollout.num_adapters() == 1
+    assert vllm_greedy(rollout, prompts) == hf_greedy(peft_model, prompts)
+
+
 # --------------------------------------------------------- dummy weights, base sync
 @pytest.mark.parametrize("transport", ["tmpfs", "memory"])
 def test_adapter_before_base_is_refused(tiny_model_path: Path, peft_model, transport):
@@ -259,6 +277,26 @@ def test_failed_base_sync_clears_base_loaded_until_a_full_one(merged_rollout, hf
     assert vllm_greedy(r, prompts) == hf_greedy(hf_base, prompts)
 
 
+def test_base_payload_must_cover_every_weight_vllm_serves(merged_rollout, hf_base, prompts):
+    r = merged_rollout
+    items = list(hf_base.state_dict().items())
+    # The FSDP stream sends the tied lm_head too; Megatron's sends no copy of it: both are complete.
+    assert "lm_head.weight" in dict(items) and hf_base.config.tie_word_embeddings
+    assert (
+        r.apply(WeightPayload.base([(n, t) for n, t in items if n != "lm_head.weight"])).num_tensors == len(items) - 1
+    )
+    assert r.base_loaded
+    left_out = [(n, t) for n, t in items if n != "model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(
+        SyncError, match=r"covered \d+ of the \d+ weights vLLM serves.*layers.1.self_attn.k_proj.weight"
+    ):
+        r.apply(WeightPayload.base(left_out))
+    assert r.base_loaded is False
+    r.apply(WeightPayload.base(items))
+    assert r.base_loaded
+    assert vllm_greedy(r, prompts) == hf_greedy(hf_base, prompts)
+
+
 # ------------------------------------------------------------------ sleep state
 def test_sleep_level_follows_the_base_state(rollout, merged_rollout, tiny_model_path: Path):
     assert rollout.sleep_level == 1  # adapter mode keeps the base
@@ -303,7 +341,7 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
     directory loader does (0.32 names that variant get_rename_mapper, 0.26 get_unstacked_mapper)."""
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from lorarl.rollout.vllm import lora_name_mapper
+    from lorarl.rollout.vllm_worker import lora_name_mapper
 
     full = WeightsMapper(
         orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")}
@@ -341,7 +379,7 @@ def test_wake_makes_vllm_rebuild_its_lora_indices(tiny_model_path: Path, peft_mo
     try:
         r.apply(adapter_payload(peft_model))
         seq, start = prompts[0] + [5, 6, 7, 8], len(prompts[0])
-        rebuilds = lambda: r._engine().collective_rpc(_count_lora_index_rebuilds)[0]  # noqa: E731
+        rebuilds = lambda: r.run_in_worker(_count_lora_index_rebuilds)  # noqa: E731
         first = rebuilds()
         expected = r.prompt_logprobs(seq, start)
         after_one = rebuilds()

@@ -22,26 +22,14 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from lorarl.errors import LorarlError
 
+# A step folder's adapter is a PEFT folder; its reader and writer live in lorarl.peft_io.
+from lorarl.peft_io import load_peft_adapter, save_peft_adapter  # noqa: F401
+
 ADAPTER_DIR = "adapter"
 STEP_RE = re.compile(r"^global_step_(\d+)$")
-
-
-def save_peft_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], adapter_config: dict) -> Path:
-    """A folder `PeftModel.from_pretrained` and vLLM `--lora-modules` both load."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-    return out
-
-
-def load_peft_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    d = Path(directory)
-    return load_file(str(d / "adapter_model.safetensors")), json.loads((d / "adapter_config.json").read_text())
 
 
 def flatten_optimizer_state(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:

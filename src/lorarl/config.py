@@ -188,10 +188,11 @@ class TrainerConfig:
     # auto: cuda when GPUs are visible, else cpu (gloo).
     device: str = "auto"
     seed: int = 1
-    # After each sync, compare trainer and vLLM log-probs on a fixed sequence; stop the run
-    # when they disagree by more than the tolerance (null: 1e-3 when both sides compute in
-    # float32, 0.15 when either is 16-bit; bf16 on H200 measured 0.03-0.04 at 0.5B).
+    # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), and
+    # trainer and vLLM log-probs on fixed probe sequences must agree (lorarl.sync_checks).
     check_sync: bool = True
+    # The probe's bound on the worst token's |log-prob diff| (null: 1e-3 when both sides compute
+    # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.20 at 7B).
     check_sync_tolerance: float | None = None
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
     # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
@@ -406,7 +407,11 @@ def validate(run: RunConfig) -> None:
         0.0 < r.gpu_memory_utilization <= 1.0,
         f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]",
     )
-    _check(r.temperature >= 0.0, f"rollout.temperature={r.temperature} must be >= 0")
+    _check(
+        r.temperature > 0.0,
+        f"rollout.temperature={r.temperature}: training samples must differ within a group (greedy samples are "
+        "identical, so every GRPO advantage would be 0); set rollout.temperature>0 (rollout.val_kwargs for validation)",
+    )
     _check(0.0 < r.top_p <= 1.0, f"rollout.top_p={r.top_p} must be in (0, 1]")
     _check(r.val_kwargs.n >= 1, f"rollout.val_kwargs.n={r.val_kwargs.n} must be >= 1")
     _check(

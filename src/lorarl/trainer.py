@@ -41,14 +41,29 @@ def resolve_device(requested: str) -> str:
 
 
 def prepare_model(run: RunConfig) -> str:
-    """Local path of the model, building the embedded one on first use."""
+    """Local path of the model, building the embedded one on first use.
+
+    The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
+    gives means that model, so a mistyped one fails in preflight instead of training a toy."""
+    from lorarl.config import cache_dir
+
     path = os.path.expanduser(run.model.path)
-    if run.model.builder is not None:
+    if run.model.builder is not None and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
         from lorarl.models.tiny import ensure_built
 
         ensure_built(run.model.builder, path, seed=0)
     run.model.path = path
     return path
+
+
+def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int:
+    """The rollout seed of one data-parallel shard at one step (and generation round, for
+    dynamic sampling): distinct across all of them (seed + step + shard collided: shard 1 of
+    step s drew what shard 0 drew at step s + 1)."""
+    import numpy as np
+
+    entropy = [seed, step, shard] + ([round_index] if round_index else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def prepare_data(run: RunConfig) -> None:
@@ -119,6 +134,7 @@ class GRPOTrainer:
             self.val_items, _ = prompts(d.val_files)
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
+        self.probe_armed = False  # workers hold probe sequences; set on the first step this process runs
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
         self.ckpt = CheckpointManager(
             ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep
@@ -226,6 +242,10 @@ class GRPOTrainer:
         groups, gen_rounds, t_gen = self.rollout_groups()
         rewards = [x for g in groups for x in g.rewards]
         lengths = [len(s) for g in groups for s in g.samples]
+        # Fixed probe sequences (each replica's first prompts with their first samples), kept for
+        # every later sync; armed on the first step this process runs, so a resumed run checks too.
+        arm_probe = self.run.trainer.check_sync and not self.probe_armed
+        self.probe_armed = self.probe_armed or arm_probe
 
         # Group-normalised advantages; groups split contiguously over data-parallel replicas.
         per_replica = []
@@ -238,9 +258,7 @@ class GRPOTrainer:
             adv = algorithms.grpo_advantages(
                 torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
-            # The parity probe reads one fixed sequence after every sync: each replica's first
-            # prompt and sample of step 1.
-            probe = (p_ids[0] + r_ids[0], len(p_ids[0])) if self.run.trainer.check_sync and self.step == 1 else None
+            probe = [g.item.prompt_ids + g.samples[0] for g in shard] if arm_probe else None
             per_replica.append((p_ids, r_ids, adv.tolist(), self.step, probe, logprobs))
 
         # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
@@ -260,8 +278,9 @@ class GRPOTrainer:
         }
         metrics.update(reduce_metrics({k: [t[k] for t in train] for k in train[0]}))
         metrics.update(syncs[0])
-        if "sync/logprob_diff_max" in syncs[0]:
-            metrics["sync/logprob_diff_max"] = max(s["sync/logprob_diff_max"] for s in syncs)
+        for key in ("sync/logprob_diff_max", "sync/logprob_diff_mean"):
+            if key in syncs[0]:
+                metrics[key] = max(s[key] for s in syncs)
         metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
         if self.run.algorithm.filter_groups.enable:
             metrics["data/gen_rounds"] = gen_rounds
@@ -299,10 +318,17 @@ class GRPOTrainer:
         """rollout.n samples of each prompt from vLLM (prompts split over replicas), scored."""
         r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
         shards = _split(prompts, self.group.dp_size)
-        seed = self.run.trainer.seed * 1_000_003 + self.step + round_index * 100_003
+        seed = self.run.trainer.seed
         gen = self.group.generate(
             [
-                ([p.prompt_ids for p in shard], r.n, r.temperature, r.top_p, d.max_response_length, seed + i)
+                (
+                    [p.prompt_ids for p in shard],
+                    r.n,
+                    r.temperature,
+                    r.top_p,
+                    d.max_response_length,
+                    sampling_seed(seed, self.step, i, round_index),
+                )
                 for i, shard in enumerate(shards)
             ]
         )

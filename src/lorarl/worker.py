@@ -18,11 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lorarl import sync_checks
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine, is_on_policy
-from lorarl.errors import SyncError
 from lorarl.sync import PayloadKind, SyncStats
 
 
@@ -42,7 +42,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.engine = None
         self.rollout = None
-        self.probe_seq: tuple[list[int], int] | None = None
+        self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
 
     # Ray calls these on every worker before anything else.
     def node_address(self) -> tuple[str, int]:
@@ -82,6 +82,7 @@ class Worker:
             enable_sleep_mode=self._sleeps,
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
+            fingerprint_base=self.run.trainer.check_sync,
         )
         self.engine = make_engine(self.run, self.device)
         if self._sleeps:
@@ -121,18 +122,18 @@ class Worker:
         responses: list[list[int]],
         advantages: list[float],
         step: int,
-        probe: tuple[list[int], int] | None = None,
+        probe: list[list[int]] | None = None,
         rollout_logprobs: list[list[float]] | None = None,
     ) -> dict:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
-        mini-batches); reference log-probs only when the KL loss uses them. `probe` (token ids,
-        response start) fixes the sequence the parity probe reads after every sync.
+        mini-batches); reference log-probs only when the KL loss uses them. `probe` (prompt +
+        response token ids) fixes the sequences the parity probe reads after every sync.
         """
         timing = {"timing/sleep": self.sleep()}
         if probe is not None:
-            self.probe_seq = (list(probe[0]), probe[1])
+            self.set_probe(probe)
         batch = build_batch(
             prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
         )
@@ -162,15 +163,20 @@ class Worker:
             self.rollout.wake_up(tags=["weights"])
             t_wake = time.perf_counter() - t0
         stats: list[SyncStats] = []
+        checks: dict = {}
         if self.run.model.lora.merge or not self.rollout.base_loaded:
             payload, gather_s = self.engine.export(PayloadKind.BASE)
             stats.append(self._apply(payload, gather_s))
+            if self.run.trainer.check_sync:
+                checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))
         if not self.run.model.lora.merge:
             method = "layered" if r.layered_summon else "bucketed"
             # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
             dtype = getattr(torch, self.rollout.dtype)
             payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method, dtype=dtype)
             stats.append(self._apply(payload, gather_s))
+            if self.run.trainer.check_sync:
+                checks.update(sync_checks.timed_adapter_check(self.rollout, payload, self.rank))
         if self._sleeps:
             t0 = time.perf_counter()
             self.rollout.wake_up(tags=["kv_cache"])
@@ -187,8 +193,9 @@ class Worker:
         }
         if self._sleeps:
             out["timing/wake"] = t_wake
-        if self.run.trainer.check_sync and self.probe_seq is not None:
-            out["sync/logprob_diff_max"] = self.probe()
+        out.update(checks)
+        if self.run.trainer.check_sync and self.probe_seqs is not None:
+            out.update(self.probe())
         return out
 
     def _apply(self, payload, gather_s: float) -> SyncStats:
@@ -205,28 +212,20 @@ class Worker:
         torch.cuda.empty_cache()
         return time.perf_counter() - t0
 
-    @property
-    def probe_tolerance(self) -> float:
-        configured = self.run.trainer.check_sync_tolerance
-        if configured is not None:
-            return configured
-        trainer_fp32 = self.engine.compute_dtype == torch.float32
-        return 1e-3 if trainer_fp32 and self.rollout.dtype == "float32" else 0.15
+    # The sync checks live in lorarl.sync_checks; these are their call sites.
+    def set_probe(self, sequences: list[list[int]]) -> None:
+        self.probe_seqs = sync_checks.choose_probes(sequences)
 
-    def probe(self) -> float:
-        """Max |trainer - vLLM| log-prob over the probe's response tokens; too large is an error."""
-        token_ids, start = self.probe_seq
-        batch = build_batch([token_ids[:start]], [token_ids[start:]], 0)
-        trainer = self.engine.log_probs(batch, temperature=1.0)[0, start - 1 : len(token_ids) - 1]
-        vllm = torch.tensor(self.rollout.prompt_logprobs(token_ids, start), dtype=torch.float32)
-        diff = float((trainer - vllm).abs().max())
-        tol = self.probe_tolerance
-        if diff > tol:
-            raise SyncError(
-                f"rank {self.rank}: after the sync vLLM and the trainer disagree on the probe sequence "
-                f"(max |log-prob diff| {diff:.4f} > trainer.check_sync_tolerance={tol}); the rollout is not using the trained weights"
-            )
-        return diff
+    @property
+    def probe_bounds(self) -> sync_checks.ProbeBounds:
+        trainer_fp32 = self.engine.compute_dtype == torch.float32
+        return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.run.trainer.check_sync_tolerance)
+
+    def probe(self) -> dict[str, float]:
+        """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
+        reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
+        sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
+        return reading.as_metrics()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from lorarl.config import RunConfig
-from lorarl.errors import LorarlError, TrainingError, first_line
+from lorarl.errors import LorarlError, TrainingError
 from lorarl.worker import Worker, worker_env
 
 
@@ -114,6 +114,10 @@ class WorkerGroup:
         return [first[i] for i in range(self.dp_size)]
 
     def _get(self, refs: list) -> list[Any]:
+        """Results of one call per worker (refs[i] is worker i's). The first failure ends the call:
+        the workers still running are killed (peers of a dead or failed worker may wait in a
+        collective forever, and Ray cannot cancel a running actor task), then it is raised as
+        one line naming the worker."""
         import ray
 
         pending, results = list(refs), {}
@@ -121,38 +125,76 @@ class WorkerGroup:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 results[done[0]] = ray.get(done[0])
-            except ray.exceptions.RayTaskError as err:
-                cause = err.cause if hasattr(err, "cause") else err
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                if isinstance(cause, LorarlError):
-                    raise cause from None
-                raise TrainingError(
-                    f"a worker failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-                ) from err
-            except ray.exceptions.RayActorError as err:
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                raise TrainingError(
-                    f"a worker process died ({first_line(err)}): it was killed or crashed outside Python, "
-                    "e.g. out of memory; its log is under /tmp/ray/session_latest/logs"
-                ) from err
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                culprit, err = self._root_failure(refs, done[0], err, pending)
+                if pending and ray.wait(pending, num_returns=len(pending), timeout=0)[1]:
+                    self._kill_workers()  # some are still running, e.g. waiting for the failed one
+                raise self._one_line(culprit, err) from err
         return [results[r] for r in refs]
+
+    # ---- failure path ------------------------------------------------------------------------
+
+    _failed = False
+
+    def _root_failure(self, refs: list, ref, err, pending: list):
+        """(worker index, error) to report: a worker that died outright explains its peers'
+        collective errors, so give the others a moment to show one."""
+        import ray
+
+        if pending and not isinstance(err, ray.exceptions.RayActorError):
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+            for other in done:
+                try:
+                    ray.get(other)
+                except ray.exceptions.RayActorError as died:
+                    return refs.index(other), died
+                except Exception:  # noqa: BLE001 - a peer's own failure; the first one is reported
+                    pass
+        return refs.index(ref), err
+
+    def _one_line(self, index: int, err) -> LorarlError:
+        import ray
+
+        who = f"worker {index} of {len(self.workers)}" if len(self.workers) > 1 else "the worker"
+        if isinstance(err, ray.exceptions.RayActorError):
+            return TrainingError(
+                f"a worker process died ({who}): it was killed or crashed outside Python, e.g. out of memory; "
+                "its log is under /tmp/ray/session_latest/logs"
+            )
+        cause = getattr(err, "cause", None) or err
+        if isinstance(cause, LorarlError):
+            return cause
+        text = str(cause).strip()
+        return TrainingError(f"{who} failed: {type(cause).__name__}: {text.splitlines()[-1] if text else ''}")
+
+    def _kill_workers(self) -> None:
+        import ray
+
+        self._failed = True
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def shutdown(self) -> None:
         import ray
 
         if not ray.is_initialized():
             return
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception:  # noqa: BLE001 - a dead worker must not block teardown of the rest
-            pass
-        for w in self.workers:
-            ray.kill(w)
+        if not self._failed:  # after a failure the workers were killed: nothing to shut down gracefully
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            except Exception:  # noqa: BLE001 - a dead worker must not block teardown of the rest
+                pass
+        self._kill_workers()
         from ray.util.placement_group import remove_placement_group
 
         if self.pg is not None:
             remove_placement_group(self.pg)
         if self._owns_ray:
             ray.shutdown()
+        # Killed workers could not remove their tmpfs adapter folders.
+        from lorarl.rollout.engine_process import remove_stale_adapter_dirs
+
+        remove_stale_adapter_dirs()

@@ -206,7 +206,7 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        probe = (p_ids[0] + r_ids[0], len(p_ids[0])) if step == 1 else None
+        probe = [p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)] if step == 1 else None
         train = worker.update(p_ids, r_ids, adv, step, probe)
         t_sleep = train["timing/sleep"]
         t_sync0 = time.perf_counter()
@@ -248,10 +248,10 @@ def main() -> None:
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
-        outs = worker.rollout._engine().generate(
+        outs = worker.rollout.llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             params,
-            lora_request=worker.rollout._lora_request() if lora else None,
+            lora_request=worker.rollout.lora_request() if lora else None,
             use_tqdm=False,
         )
         secs = time.perf_counter() - start
@@ -315,11 +315,13 @@ def tensor_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
 
 
 def _snapshot(worker) -> dict[str, torch.Tensor]:
-    return worker.rollout._engine().collective_rpc(engine_tensors)[0]
+    return worker.rollout.run_in_worker(engine_tensors)
 
 
 def _resend(worker) -> tuple[dict, float]:
-    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe diff)."""
+    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
+    from lorarl import sync_checks
+
     t = worker.run.trainer
     check = t.check_sync
     t.check_sync = False
@@ -327,19 +329,14 @@ def _resend(worker) -> tuple[dict, float]:
         out = worker.sync()
     finally:
         t.check_sync = check
-    tol = t.check_sync_tolerance
-    t.check_sync_tolerance = float("inf")
-    try:
-        return out, worker.probe()
-    finally:
-        t.check_sync_tolerance = tol
+    return out, sync_checks.measure_probe(worker.engine, worker.rollout, worker.probe_seqs).sync_max
 
 
 def _greedy_and_probe(worker, prompts):
     """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
     so cached and fresh prefills are never compared."""
     r = worker.rollout
-    seq, start = worker.probe_seq
+    seq, start = worker.probe_seqs[0], 1
     r.reset_prefix_cache()
     tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
     r.reset_prefix_cache()
@@ -380,7 +377,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.probe()
+    probe1 = worker.probe()["sync/logprob_diff_max"]
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded

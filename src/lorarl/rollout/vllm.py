@@ -4,20 +4,20 @@ The rollout owns one fact, `base_loaded` ("the base weights are in the engine"),
 set by loading from disk or by a base payload and cleared by a sleep that discards
 weights. Whether an adapter may be applied, and which sleep level to use, read it;
 it is never inferred from vLLM, which still lists an adapter after `sleep(level=2)`
-has dropped the base weights under it.
+has dropped the base weights under it. Likewise `has_adapter`: true only after an
+adapter loaded; a rejected one leaves the rollout refusing to generate until the next
+adapter loads, never serving the previous one.
+
+What runs inside vLLM's worker lives in `vllm_worker`; the process-level workarounds
+for hosting engines in a trainer's process in `engine_process`.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import random
-import shutil
-import tempfile
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +26,10 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError
+from lorarl.peft_io import save_peft_adapter
+from lorarl.rollout import engine_process, vllm_worker
 from lorarl.sync import PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
+from lorarl.sync_checks import AdapterLayout, Fingerprint, LoraSlot, combine, fingerprint
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
 # per sync, requests could keep naming an old one; with the same id and no
@@ -71,7 +74,10 @@ class VLLMRollout:
         kv_cache_bytes: int | None = None,
         max_num_seqs: int | None = None,
         trust_remote_code: bool = False,
+        fingerprint_base: bool = False,
     ) -> None:
+        """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
+        `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
         if adapter_transport not in ("tmpfs", "memory"):
             raise ConfigError(f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'")
         # The engine must live in this process: weights are pushed into its worker
@@ -94,7 +100,12 @@ class VLLMRollout:
         self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
         self._adapter_dir: Path | None = None
         self._param_names: frozenset[str] | None = None  # read from the live engine on first need
+        self._served_names: frozenset[str] | None = None
+        self._layout: AdapterLayout | None = None
         self._has_adapter = False
+        self._rejected: str | None = None  # why the last adapter failed to load; generate refuses meanwhile
+        self.fingerprint_base = fingerprint_base
+        self._sent: dict[str, tuple[Fingerprint, int]] = {}  # per HF name, of the last base payload
         self._asleep = False
 
         kwargs: dict = dict(
@@ -119,14 +130,12 @@ class VLLMRollout:
         if self.max_lora_rank is not None:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.max_lora_rank)
 
-        _first_engine_in_process()
-        with _process_state_kept():
+        engine_process.first_engine_in_process()
+        with engine_process.process_state_kept():
             self._llm = LLM(**kwargs)
         if self.lora_enabled and adapter_transport == "tmpfs":
-            shm = Path("/dev/shm")
-            root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="lorarl-adapter-", dir=root))
-        self._release = _adopt_engine(self, self._llm, self._adapter_dir)
+            self._adapter_dir = engine_process.make_adapter_dir()
+        self._release = engine_process.adopt_engine(self, self._llm, self._adapter_dir)
 
     def _engine_dtype(self, model_path: str | os.PathLike, dtype: str) -> str:
         resolved = _resolve_dtype(model_path, dtype)
@@ -151,6 +160,11 @@ class VLLMRollout:
         return self._has_adapter
 
     @property
+    def adapter_rejected(self) -> str | None:
+        """Why vLLM rejected the last adapter (None when it holds a valid one or none was sent)."""
+        return self._rejected
+
+    @property
     def sleep_level(self) -> int:
         # Read from the one state: a loaded base that only adapters will update must survive
         # the sleep (level 1, kept in host RAM); merged mode resends the base every step, and
@@ -160,7 +174,71 @@ class VLLMRollout:
     def num_adapters(self) -> int:
         if not self.lora_enabled:
             return 0  # vLLM raises on list_loras without LoRA
-        return len(self._engine().llm_engine.list_loras())
+        return len(self.llm.llm_engine.list_loras())
+
+    # ------------------------------------------------------------ public seams
+    @property
+    def llm(self):
+        """The vLLM `LLM` behind this rollout, for benchmarks and checks that call vLLM directly.
+
+        Weights must change only through `apply`, or the rollout's own state stops being true."""
+        if self._llm is None:
+            raise SyncError("the rollout engine was shut down; build a new VLLMRollout")
+        return self._llm
+
+    def lora_request(self):
+        """The request every generate call carries: the synced adapter, or None without one.
+
+        Raises when the last adapter was rejected: serving the one before it would be silent."""
+        if self._rejected is not None:
+            raise SyncError(
+                f"the rollout holds no valid adapter: vLLM rejected the last one ({self._rejected}); "
+                "sync a valid adapter before generating"
+            )
+        if not self.has_adapter:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # Without load_inplace: a request must use the resident adapter, not reload it.
+        path = str(self._adapter_dir) if self.adapter_transport == "tmpfs" else _MEMORY_ADAPTER_PATH
+        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, path)
+
+    def run_in_worker(self, fn: Callable, *args):
+        """Run `fn(worker, *args)` inside vLLM's worker (one per engine here) and return its result."""
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def sent_weight_fingerprints(self) -> dict[str, Fingerprint]:
+        """Per parameter vLLM serves, the fingerprint the last base payload should have left
+        there (q/k/v and gate/up combined in vLLM's fused order). Needs fingerprint_base=True."""
+        parts: dict[str, list[tuple[int, Fingerprint, int]]] = {}
+        for name, (fp, numel) in self._sent.items():
+            proj = name.rpartition(".")[0].rpartition(".")[2]
+            parts.setdefault(served_name(name), []).append((_FUSED_ORDER.get(proj, 0), fp, numel))
+        return {name: combine((fp, n) for _, fp, n in sorted(p, key=lambda x: x[0])) for name, p in parts.items()}
+
+    def held_weight_fingerprints(self, numels: dict[str, int]) -> dict[str, tuple | None]:
+        """(fingerprint, dtype) of the parameters vLLM serves (None where it keeps them unreadable)."""
+        return self.run_in_worker(vllm_worker.weight_fingerprints, numels)
+
+    def sent_numels(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, (_, numel) in self._sent.items():
+            out[served_name(name)] = out.get(served_name(name), 0) + numel
+        return out
+
+    def adapter_layout(self) -> AdapterLayout:
+        """vLLM's LoRA dtype, scaling rule and adapter name parser (read once)."""
+        if not self.lora_enabled:
+            raise SyncError("adapter_layout asked of a rollout without LoRA (merged mode)")
+        if self._layout is None:
+            self._layout = self.run_in_worker(vllm_worker.adapter_layout)
+        return self._layout
+
+    def held_adapter_slots(self) -> dict[str, LoraSlot]:
+        """Fingerprints of the LoRA stacks vLLM computes with, per module part."""
+        if not self.has_adapter:
+            raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
+        return self.run_in_worker(vllm_worker.adapter_slots, ADAPTER_ID)
 
     # ------------------------------------------------------------- generation
     def sample(
@@ -195,7 +273,7 @@ class VLLMRollout:
         with torch.random.fork_rng(devices=[], enabled=process_seed is not None):
             if process_seed is not None:
                 torch.manual_seed(process_seed)
-            outs = self._engine().generate(requests, params, lora_request=self._lora_request(), use_tqdm=False)
+            outs = self.llm.generate(requests, params, lora_request=self.lora_request(), use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
             tokens.append([list(c.token_ids) for c in out.outputs])
@@ -215,18 +293,23 @@ class VLLMRollout:
 
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
         """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
+        return self.prompt_logprobs_many([token_ids], start)[0]
+
+    def prompt_logprobs_many(self, sequences: Sequence[Sequence[int]], start: int) -> list[list[float]]:
+        """prompt_logprobs for several sequences in one engine call."""
         from vllm import SamplingParams
 
-        if not 1 <= start < len(token_ids):
-            raise ValueError(f"start={start} must lie in 1..{len(token_ids) - 1}")
+        for token_ids in sequences:
+            if not 1 <= start < len(token_ids):
+                raise ValueError(f"start={start} must lie in 1..{len(token_ids) - 1}")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self._engine().generate(
-            [{"prompt_token_ids": list(token_ids)}],
-            params,
-            lora_request=self._lora_request(),
-            use_tqdm=False,
-        )[0]
-        return [out.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(t)} for t in sequences], params, lora_request=self.lora_request(), use_tqdm=False
+        )
+        return [
+            [out.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
+            for out, token_ids in zip(outs, sequences)
+        ]
 
     # ------------------------------------------------------------------- sync
     def apply(self, payload: WeightPayload) -> SyncStats:
@@ -242,15 +325,20 @@ class VLLMRollout:
         return stats
 
     def reset_prefix_cache(self) -> None:
-        self._engine().reset_prefix_cache()
+        self.llm.reset_prefix_cache()
 
     def _apply_base(self, payload: WeightPayload) -> SyncStats:
         stats = SyncStats(PayloadKind.BASE)
+
+        cast = self.run_in_worker(vllm_worker.model_dtype) if self.fingerprint_base else None
+        self._sent = {}
 
         def counted() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in payload.tensors:
                 stats.num_tensors += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
+                if cast is not None:  # where the tensor lives, before vLLM takes it
+                    self._sent[name] = (fingerprint(tensor, cast), tensor.numel())
                 yield name, tensor
 
         start = time.perf_counter()
@@ -262,18 +350,25 @@ class VLLMRollout:
             # its GEMM layout and leaves empty placeholders, so raw parameter writes land
             # nowhere; the reload path re-runs that processing, with or without LoRA.
             live = self._live_param_names()
-            resolved = ((resolve_base_name(name, live), tensor) for name, tensor in counted())
-            self._engine().collective_rpc("reload_weights", kwargs={"weights_iterator": resolved})
+            sent: list[str] = []
+
+            def resolved() -> Iterator[tuple[str, Tensor]]:
+                for name, tensor in counted():
+                    sent.append(name)
+                    yield resolve_base_name(name, live), tensor
+
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": resolved()})
         except Exception as exc:
             # Close vLLM's half-done reload so the next base payload starts clean (without
             # this, a second failed sync in a row wedged every later reload).
-            self._engine().collective_rpc(_finish_interrupted_reload)
+            self.run_in_worker(vllm_worker.finish_interrupted_reload)
             if isinstance(exc, SyncError):
                 raise
             raise SyncError(f"vLLM could not load the base payload: {_short(exc)}") from exc
         stats.load_s = time.perf_counter() - start
         if stats.num_tensors == 0:
             raise SyncError("base payload was empty; nothing was loaded into the engine")
+        self._check_base_complete(sent)
         self.base_loaded = True
         if self.has_adapter:
             # vLLM drops every adapter when base weights are replaced; put ours back.
@@ -284,8 +379,23 @@ class VLLMRollout:
         """Parameter names that need `.base_layer` spelled out (empty where the engine's
         LoRA wrappers load plain HF names themselves), read once from the live model."""
         if self._param_names is None:
-            self._param_names = frozenset(self._engine().collective_rpc(_wrapped_param_names)[0])
+            self._param_names = frozenset(self.run_in_worker(vllm_worker.wrapped_param_names))
         return self._param_names
+
+    def _check_base_complete(self, sent: list[str]) -> None:
+        """Every parameter vLLM serves was in the payload: after a level-2 sleep (or a dummy
+        load) whatever a base payload leaves out is garbage, and vLLM does not say so. Names
+        vLLM has no parameter for (a tied lm_head) are its loader's business."""
+        if self._served_names is None:
+            served = self.run_in_worker(vllm_worker.param_names)
+            self._served_names = frozenset(part for name in served for part in hf_parts(name))
+        missing = sorted(self._served_names - set(sent))
+        if missing:
+            raise SyncError(
+                f"base payload covered {len(self._served_names) - len(missing)} of the {len(self._served_names)} "
+                f"weights vLLM serves ({len(sent)} tensors sent); missing e.g. {', '.join(missing[:3])}: "
+                "the engine now holds stale or garbage weights there"
+            )
 
     def _apply_adapter(self, payload: WeightPayload) -> SyncStats:
         if not self.lora_enabled:
@@ -311,8 +421,6 @@ class VLLMRollout:
             stats.num_tensors += 1
             stats.bytes += tensor.numel() * tensor.element_size()
         if self.adapter_transport == "tmpfs":
-            from lorarl.checkpoint import save_peft_adapter
-
             assert self._adapter_dir is not None
             save_peft_adapter(self._adapter_dir, owned, payload.adapter_config)
             self._adapter = None
@@ -320,13 +428,16 @@ class VLLMRollout:
             self._adapter = (owned, dict(payload.adapter_config))
         stats.transfer_s = time.perf_counter() - start
         stats.load_s = self._load_adapter()
-        self._has_adapter = True
         return stats
 
     def _load_adapter(self) -> float:
-        """Put the current adapter into the engine under ADAPTER_ID, replacing any old one."""
+        """Put the current adapter into the engine under ADAPTER_ID, replacing any old one.
+
+        On failure the rollout holds no valid adapter: vLLM's copy is removed (it may be the
+        previous adapter, or half of the new one) and generate refuses until a load succeeds."""
         start = time.perf_counter()
-        engine = self._engine()
+        engine = self.llm
+        self._has_adapter = False
         try:
             if self.adapter_transport == "tmpfs":
                 from vllm.lora.request import LoRARequest
@@ -339,22 +450,28 @@ class VLLMRollout:
                 # vLLM scales lora_B in place while building its LoRAModel: hand it a copy
                 # so the kept one stays as sent (re-attaching it doubled the scaling).
                 tensors = {name: t.clone() for name, t in kept.items()}
-                engine.collective_rpc(_add_adapter_from_tensors, args=(ADAPTER_ID, tensors, config))
+                self.run_in_worker(vllm_worker.add_adapter_from_tensors, ADAPTER_ID, tensors, config)
+            loaded = engine.llm_engine.list_loras()
+            if loaded != {ADAPTER_ID}:
+                raise SyncError(f"vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
         except Exception as exc:
+            self._reject(_short(exc))
+            if isinstance(exc, SyncError):
+                raise SyncError(f"after the adapter sync {exc}") from exc
             raise SyncError(f"vLLM rejected the adapter: {_short(exc)}") from exc
-        loaded = engine.llm_engine.list_loras()
-        if loaded != {ADAPTER_ID}:
-            raise SyncError(f"after the adapter sync vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
+        self._has_adapter = True
+        self._rejected = None
         return time.perf_counter() - start
 
-    def _lora_request(self):
-        if not self.has_adapter:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        # Without load_inplace: a request must use the resident adapter, not reload it.
-        path = str(self._adapter_dir) if self.adapter_transport == "tmpfs" else _MEMORY_ADAPTER_PATH
-        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, path)
+    def _reject(self, why: str) -> None:
+        self._rejected = why
+        self._adapter = None
+        try:
+            self.llm.llm_engine.remove_lora(ADAPTER_ID)
+        except Exception:  # noqa: BLE001 - not holding it is the state wanted
+            pass
+        if self.llm.llm_engine.list_loras():
+            raise SyncError(f"vLLM rejected the adapter ({why}) and still holds adapters it could not drop")
 
     # ------------------------------------------------------------------ sleep
     def sleep(self, level: int | None = None) -> None:
@@ -363,18 +480,18 @@ class VLLMRollout:
         level = self.sleep_level if level is None else level
         if level not in (1, 2):
             raise ConfigError(f"sleep level {level} is not 1 or 2")
-        self._engine().sleep(level=level)
+        self.llm.sleep(level=level)
         self._asleep = True
         if level == 2:
             self.base_loaded = False  # level 2 discards weights; the adapter listing lies
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._engine().wake_up(tags)
+        self.llm.wake_up(tags)
         if tags is None or "weights" in tags:
             self._asleep = False
             if self.lora_enabled:
                 self.refresh_lora_mapping()
-        self._engine().reset_prefix_cache()
+        self.llm.reset_prefix_cache()
 
     def refresh_lora_mapping(self) -> None:
         """Make vLLM rewrite its per-batch LoRA index tensors before the next forward.
@@ -383,7 +500,7 @@ class VLLMRollout:
         rewrites them when a batch's LoRA mapping differs from the last one: the same probe
         sequence after a level-2 sleep then ran with garbage indices (H200, vLLM 0.26: log-prob
         off by 0.3-2.6 while every weight was right)."""
-        self._engine().collective_rpc(_forget_lora_mapping)
+        self.run_in_worker(vllm_worker.forget_lora_mapping)
 
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:
@@ -391,6 +508,7 @@ class VLLMRollout:
         self._llm = None
         self._adapter = None
         self._has_adapter = False
+        self._layout = None
         release = getattr(self, "_release", None)
         if release is not None:
             release()
@@ -400,11 +518,6 @@ class VLLMRollout:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    def _engine(self):
-        if self._llm is None:
-            raise SyncError("the rollout engine was shut down; build a new VLLMRollout")
-        return self._llm
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:
@@ -442,6 +555,24 @@ _FUSED_INTO = {
     "o_proj": "o_proj",
     "down_proj": "down_proj",
 }
+# Where each projection sits inside its fused parameter (rows, in this order).
+_FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
+
+
+def served_name(name: str) -> str:
+    """The parameter of vLLM's model that HF weight `name` fills (q/k/v into qkv_proj, ...)."""
+    module, _, leaf = name.rpartition(".")
+    prefix, _, proj = module.rpartition(".")
+    fused = _FUSED_INTO.get(proj)
+    return name if fused is None else f"{prefix}.{fused}.{leaf}"
+
+
+def hf_parts(served: str) -> list[str]:
+    """The HF weights that fill vLLM parameter `served` (qkv_proj.weight -> q/k/v_proj.weight)."""
+    module, _, leaf = served.rpartition(".")
+    prefix, _, fused = module.rpartition(".")
+    parts = sorted((p for p, f in _FUSED_INTO.items() if f == fused), key=lambda p: _FUSED_ORDER.get(p, 0))
+    return [f"{prefix}.{p}.{leaf}" for p in parts] if parts else [served]
 
 
 def resolve_base_name(name: str, live: frozenset[str]) -> str:
@@ -455,176 +586,3 @@ def resolve_base_name(name: str, live: frozenset[str]) -> str:
     if f"{prefix}.{fused}.base_layer.{leaf}" in live:
         return f"{module}.base_layer.{leaf}"
     return name
-
-
-def _vllm_worker(worker):
-    """collective_rpc hands functions vLLM's worker, sometimes inside a wrapper; the worker."""
-    return getattr(worker, "worker", worker)
-
-
-def _wrapped_param_names(worker) -> list[str]:
-    """Live names under `.base_layer` whose LoRA wrapper cannot take the plain HF name.
-
-    vLLM 0.26 (GPU) wrappers have no loader of their own, so `q_proj.weight` must arrive as
-    `q_proj.base_layer.weight`; vLLM 0.32's wrappers define `load_weights` and forward to the
-    wrapped layer, so plain names are right there and `.base_layer` ones fail."""
-    model = _vllm_worker(worker).model_runner.get_model()
-    out = []
-    for module_name, module in model.named_modules():
-        base = getattr(module, "_modules", {}).get("base_layer")
-        if (
-            base is None
-            or "load_weights" in type(module).__dict__
-            or any("load_weights" in c.__dict__ for c in type(module).__mro__[1:] if c.__name__.endswith("WithLoRA"))
-        ):
-            continue
-        out += [f"{module_name}.base_layer.{n}" for n, _ in base.named_parameters(recurse=False)]
-    return out
-
-
-def _forget_lora_mapping(worker) -> None:
-    """Inside the vLLM worker: drop the LoRA manager's memory of the last batch mapping."""
-    manager = getattr(_vllm_worker(worker).model_runner, "lora_manager", None)
-    adapters = getattr(manager, "_adapter_manager", None)
-    if adapters is None or not hasattr(adapters, "_last_mapping"):
-        raise SyncError(
-            "this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep"
-        )
-    adapters._last_mapping = None
-
-
-def _finish_interrupted_reload(worker) -> None:
-    """Runs inside the vLLM worker after reload_weights raised part-way (vLLM 0.32 internals)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    worker = _vllm_worker(worker)
-    runner = worker.model_runner
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(runner.get_model(), runner.model_config)
-
-
-def lora_name_mapper(mapper):
-    """The model's HF->vLLM name mapper as vLLM's own adapter loader uses it: renames kept,
-    fused-projection maps dropped (so `q_proj` survives for the LoRA manager to pack).
-    vLLM 0.32 calls that variant get_rename_mapper, 0.26 get_unstacked_mapper."""
-    if mapper is None:
-        return None
-    for variant in ("get_rename_mapper", "get_unstacked_mapper"):
-        if hasattr(mapper, variant):
-            return getattr(mapper, variant)()
-    raise SyncError(
-        f"this vLLM's {type(mapper).__name__} has neither get_rename_mapper nor get_unstacked_mapper; "
-        "use rollout.adapter_transport=tmpfs"
-    )
-
-
-def _add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], config: dict) -> None:
-    """Runs inside the vLLM worker: vLLM's adapter loading minus the directory read.
-
-    Mirrors LRUCacheWorkerLoRAManager._load_adapter + add_adapter (vLLM 0.26 and 0.32);
-    these are internals, so a vLLM upgrade may need this revisited (tmpfs needs none).
-    """
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    manager = _vllm_worker(worker).model_runner.lora_manager
-    adapters = manager._adapter_manager
-    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    helper.validate_legal(manager.lora_config)
-    model = adapters.model
-    mapper = lora_name_mapper(getattr(model, "hf_to_vllm_mapper", None))
-    lora = LoRAModel.from_lora_tensors(
-        lora_model_id=lora_id,
-        tensors=tensors,
-        peft_helper=helper,
-        device="cpu",
-        dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )
-    adapters.remove_adapter(lora_id)
-    adapters.add_adapter(lora)
-    adapters.activate_adapter(lora_id)
-
-
-# vLLM keeps its parallel groups in process globals shared by every in-process
-# engine, and an engine's shutdown tears them down (and torch.distributed with them).
-# Count live engines so only the last one cleans up, and never destroy a process
-# group that the caller (a trainer) created before the first engine.
-_live_engines = 0
-_caller_owns_torch_dist = False
-
-
-def _first_engine_in_process() -> None:
-    global _caller_owns_torch_dist
-    if _live_engines == 0:
-        _caller_owns_torch_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _adopt_engine(owner: VLLMRollout, llm, adapter_dir: Path | None):
-    global _live_engines
-    _live_engines += 1
-    client = llm.llm_engine.engine_core
-    finalizer = getattr(client, "_finalizer", None)
-    if finalizer is not None:
-        finalizer.detach()  # ours below replaces it, so teardown always goes through _release_engine
-    return weakref.finalize(owner, _release_engine, llm, adapter_dir)
-
-
-def _release_engine(llm, adapter_dir: Path | None) -> None:
-    global _live_engines
-    _live_engines -= 1
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
-    if core is not None:
-        import vllm.v1.engine.core as core_module
-
-        full_cleanup = core_module.cleanup_dist_env_and_memory
-
-        def cleanup(shutdown_ray: bool = False) -> None:
-            if _live_engines > 0:
-                return
-            if _caller_owns_torch_dist:
-                from vllm.distributed.parallel_state import destroy_model_parallel
-
-                destroy_model_parallel()
-                return
-            full_cleanup(shutdown_ray)
-
-        core_module.cleanup_dist_env_and_memory = cleanup
-        try:
-            core.shutdown()
-        finally:
-            core_module.cleanup_dist_env_and_memory = full_cleanup
-    del llm, core
-    gc.collect()
-    if adapter_dir is not None:
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-
-
-class _process_state_kept:
-    """Undo what building an in-process vLLM engine does to the host process.
-
-    vLLM seeds the global RNGs with the rollout seed and, on CPU, replaces
-    torch.set_num_threads with a no-op; a trainer sharing the process keeps its own.
-    """
-
-    def __enter__(self) -> None:
-        import numpy as np
-
-        self._np = np.random.get_state()
-        self._py = random.getstate()
-        self._torch = torch.random.get_rng_state()
-        self._set_threads = torch.set_num_threads
-        self._threads = torch.get_num_threads()
-
-    def __exit__(self, *exc) -> None:
-        import numpy as np
-
-        np.random.set_state(self._np)
-        random.setstate(self._py)
-        torch.random.set_rng_state(self._torch)
-        torch.set_num_threads = self._set_threads
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)

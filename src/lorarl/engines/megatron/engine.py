@@ -429,8 +429,14 @@ class MegatronEngine:
         raise ValueError(f"unknown payload kind {kind!r}")
 
     def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full LoRA tensors under PEFT names, on CPU (collective)."""
-        return {k: v.cpu() for k, v in self.bridge.export_adapter(self.model)} if self.bridge.supports_adapter else {}
+        """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter
+        folder would load as the untrained base model."""
+        if not self.bridge.supports_adapter:
+            raise ConfigError(
+                "backend.bridge=mbridge cannot export the trained LoRA adapter, so none is written; "
+                "use backend.bridge=megatron_bridge to keep it"
+            )
+        return {k: v.cpu() for k, v in self.bridge.export_adapter(self.model)}
 
     # Mid-run checkpoints are refused for this backend when the config is validated
     # (trainer.save_freq); resuming would need the adapter put back into Megatron's TP shards.

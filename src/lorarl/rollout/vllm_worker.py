@@ -1,0 +1,223 @@
+"""Functions that run inside vLLM's worker, handed to it through `collective_rpc`.
+
+They read or change vLLM internals (its LoRA manager, model runner, layerwise reload), which
+differ between vLLM versions: each one supports 0.26 (GPU builds) and 0.32 (CPU build) or fails
+with a SyncError saying what is missing and what to use instead. Every function takes vLLM's
+worker as its first argument, as collective_rpc passes it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lorarl.errors import SyncError
+from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint, peft_scaling
+
+
+def vllm_worker(worker):
+    """collective_rpc hands functions vLLM's worker, sometimes inside a wrapper; the worker."""
+    return getattr(worker, "worker", worker)
+
+
+def _lora_adapters(worker):
+    """vLLM's LoRA model manager (the object that owns the adapter slots)."""
+    manager = getattr(vllm_worker(worker).model_runner, "lora_manager", None)
+    adapters = getattr(manager, "_adapter_manager", None)
+    if adapters is None:
+        raise SyncError("this vLLM's model runner has no LoRA manager; was the engine started with LoRA?")
+    return manager, adapters
+
+
+def wrapped_param_names(worker) -> list[str]:
+    """Live names under `.base_layer` whose LoRA wrapper cannot take the plain HF name.
+
+    vLLM 0.26 (GPU) wrappers have no loader of their own, so `q_proj.weight` must arrive as
+    `q_proj.base_layer.weight`; vLLM 0.32's wrappers define `load_weights` and forward to the
+    wrapped layer, so plain names are right there and `.base_layer` ones fail."""
+    model = vllm_worker(worker).model_runner.get_model()
+    out = []
+    for module_name, module in model.named_modules():
+        base = getattr(module, "_modules", {}).get("base_layer")
+        if (
+            base is None
+            or "load_weights" in type(module).__dict__
+            or any("load_weights" in c.__dict__ for c in type(module).__mro__[1:] if c.__name__.endswith("WithLoRA"))
+        ):
+            continue
+        out += [f"{module_name}.base_layer.{n}" for n, _ in base.named_parameters(recurse=False)]
+    return out
+
+
+def param_names(worker) -> list[str]:
+    """Every parameter of the served model, `.base_layer` removed (the names a base payload covers)."""
+    model = vllm_worker(worker).model_runner.get_model()
+    return [name.replace(".base_layer.", ".") for name, _ in model.named_parameters()]
+
+
+def forget_lora_mapping(worker) -> None:
+    """Drop the LoRA manager's memory of the last batch mapping."""
+    _, adapters = _lora_adapters(worker)
+    if not hasattr(adapters, "_last_mapping"):
+        raise SyncError(
+            "this vLLM's LoRA manager has no _last_mapping; lorarl cannot make it refresh its LoRA indices after a sleep"
+        )
+    adapters._last_mapping = None
+
+
+def finish_interrupted_reload(worker) -> None:
+    """After reload_weights raised part-way: close vLLM's half-done layerwise reload (0.32)."""
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+    except ImportError:
+        return  # vLLM without layerwise reload has no half-done state to close
+    worker = vllm_worker(worker)
+    runner = worker.model_runner
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+
+
+def lora_name_mapper(mapper):
+    """The model's HF->vLLM name mapper as vLLM's own adapter loader uses it: renames kept,
+    fused-projection maps dropped (so `q_proj` survives for the LoRA manager to pack).
+    vLLM 0.32 calls that variant get_rename_mapper, 0.26 get_unstacked_mapper."""
+    if mapper is None:
+        return None
+    for variant in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, variant):
+            return getattr(mapper, variant)()
+    raise SyncError(
+        f"this vLLM's {type(mapper).__name__} has neither get_rename_mapper nor get_unstacked_mapper; "
+        "use rollout.adapter_transport=tmpfs"
+    )
+
+
+def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], config: dict) -> None:
+    """vLLM's adapter loading minus the directory read.
+
+    Mirrors LRUCacheWorkerLoRAManager._load_adapter + add_adapter (vLLM 0.26 and 0.32);
+    these are internals, so a vLLM upgrade may need this revisited (tmpfs needs none).
+    """
+    from vllm.lora.peft_helper import PEFTHelper
+
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:  # vLLM 0.26 keeps it in vllm.lora.models
+        from vllm.lora.models import LoRAModel
+
+    manager, adapters = _lora_adapters(worker)
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = adapters.model
+    mapper = lora_name_mapper(getattr(model, "hf_to_vllm_mapper", None))
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id,
+        tensors=tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    adapters.remove_adapter(lora_id)
+    adapters.add_adapter(lora)
+    adapters.activate_adapter(lora_id)
+
+
+def adapter_layout(worker) -> AdapterLayout:
+    """vLLM's LoRA dtype, its scaling rule and its PEFT-name -> module-name parser, as its
+    loader applies them (in-process engines only: the result holds functions)."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    manager, adapters = _lora_adapters(worker)
+    mapper = lora_name_mapper(getattr(adapters.model, "hf_to_vllm_mapper", None))
+
+    def module_of(name: str) -> tuple[str, bool]:
+        try:
+            module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
+        except TypeError as exc:  # a vLLM whose parser takes no name mapper
+            raise SyncError(
+                f"this vLLM's parse_fine_tuned_lora_name does not take a weights mapper ({exc}); lorarl cannot map "
+                "adapter names to its LoRA modules (trainer.check_sync=false turns the sync checks off)"
+            ) from None
+        return module, is_a
+
+    def scaling_of(config: dict, peft_module: str) -> float:
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        if hasattr(helper, "get_rank_and_scaling"):  # 0.32: rank/alpha patterns per module
+            return helper.get_rank_and_scaling(peft_module)[1]
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            return peft_scaling(config, peft_module)
+        return helper.vllm_lora_scaling_factor
+
+    return AdapterLayout(manager.lora_config.lora_dtype, module_of, scaling_of)
+
+
+def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
+    """Fingerprints of the LoRA stacks vLLM computes with for adapter `lora_id`, per module part.
+
+    A fused module (qkv_proj, gate_up_proj) keeps one stacked slice per projection, named here
+    by the projection (q_proj, ...). Raises when the adapter holds no slot."""
+    _, adapters = _lora_adapters(worker)
+    index_to_id = getattr(adapters, "lora_index_to_id", None)
+    modules = getattr(adapters, "modules", None)
+    if index_to_id is None or modules is None:
+        raise SyncError(
+            "this vLLM's LoRA manager has no lora_index_to_id/modules; lorarl cannot read its adapter slots "
+            "(set trainer.check_sync=false to run without the fingerprint check)"
+        )
+    if lora_id not in index_to_id:
+        raise SyncError(f"vLLM holds adapter id {lora_id} in no active slot")
+    index = index_to_id.index(lora_id)
+    packed = getattr(adapters, "packed_modules", {})
+    by_leaf = getattr(adapters, "packed_modules_mapping", {})
+    out = {}
+    for name, module in modules.items():
+        stacks_a = getattr(module, "lora_a_stacked", None)
+        stacks_b = getattr(module, "lora_b_stacked", None)
+        if stacks_a is None or stacks_b is None:
+            continue  # no LoRA stacks (e.g. a classification head): nothing an adapter payload fills
+        if isinstance(stacks_a, Tensor):
+            stacks_a, stacks_b = (stacks_a,), (stacks_b,)
+        parts = packed.get(name)
+        if parts is None:
+            prefix, _, leaf = name.rpartition(".")
+            leaves = by_leaf.get(leaf, [leaf])
+            parts = [f"{prefix}.{p}" if prefix else p for p in leaves] if len(leaves) == len(stacks_a) else [name]
+        if len(parts) != len(stacks_a):
+            parts = [name] if len(stacks_a) == 1 else [f"{name}[{i}]" for i in range(len(stacks_a))]
+        for part, a, b in zip(parts, stacks_a, stacks_b):
+            if a.dim() != 4 or b.dim() != 4:
+                raise SyncError(
+                    f"this vLLM keeps the LoRA stacks of {name} as {tuple(a.shape)} / {tuple(b.shape)}, not "
+                    "(max_loras, 1, rows, cols); lorarl cannot fingerprint them (trainer.check_sync=false turns the "
+                    "sync checks off)"
+                )
+            slot_a, slot_b = a[index, 0], b[index, 0]
+            out[part] = LoraSlot(
+                part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b)
+            )
+    return out
+
+
+def model_dtype(worker):
+    """The dtype vLLM computes in (what a base payload is cast to when loaded)."""
+    return vllm_worker(worker).model_runner.model_config.dtype
+
+
+def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
+    """(fingerprint, dtype) of the first `numels[name]` elements of each named parameter vLLM
+    serves (`.base_layer` removed); the prefix skips any padding vLLM adds (vocab rows).
+    Parameters vLLM no longer keeps readable (the CPU build repacks linear weights into its
+    GEMM library's layout and leaves an empty tensor) come back as None."""
+    model = vllm_worker(worker).model_runner.get_model()
+    out: dict[str, tuple] = {}
+    for name, param in model.named_parameters():
+        name = name.replace(".base_layer.", ".")
+        if name not in numels:
+            continue
+        flat = param.detach().reshape(-1)
+        out[name] = None if flat.numel() < numels[name] else (fingerprint(flat[: numels[name]]), str(param.dtype))
+    return out

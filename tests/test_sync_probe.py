@@ -1,0 +1,110 @@
+"""The log-prob probe end to end on the real worker (vLLM + FSDP2 over gloo, fp32 on CPU).
+
+A correct sync reads far below the fp32 bound while the adapter has visibly moved the policy;
+a skipped sync, a zeroed adapter and one layer's B left out each stop the probe.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorarl.errors import SyncError
+from lorarl.sync import WeightPayload
+from lorarl.sync_checks import FP32_BOUNDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def worker(run_cache: Path):
+    """The real Worker (vLLM + FSDP2 over gloo, one process), composed from the real config."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lorarl.config import to_run_config
+    from lorarl.trainer import prepare_model
+    from lorarl.worker import Worker
+
+    old = os.environ.get("LORARL_CACHE")
+    os.environ["LORARL_CACHE"] = str(run_cache)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", "trainer.device=cpu"])
+    GlobalHydra.instance().clear()
+    run = to_run_config(cfg)
+    prepare_model(run)
+    w = Worker(run, rank=0, world_size=1, device="cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w.setup("127.0.0.1", port)
+    yield w
+    w.shutdown()
+    if old is None:
+        os.environ.pop("LORARL_CACHE", None)
+    else:
+        os.environ["LORARL_CACHE"] = old
+
+
+def moved_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
+    """A trained-looking adapter put into the engine's shards (B non-zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    lora = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in worker.engine.lora_state().items()}
+    worker.engine.load_state(lora, None, None)
+    return lora
+
+
+@pytest.fixture(scope="module")
+def probes(worker, tiny_tokenizer):
+    from lorarl.data import arith
+    from lorarl.models.tiny import prompt_ids
+
+    seqs = [
+        prompt_ids(tiny_tokenizer, r["prompt"]) + [5, 6, 7, 8, 9, 10] for r in arith.make_rows(6, seed=2, split="test")
+    ]
+    worker.set_probe(seqs)
+    assert all(len(s) >= 2 for s in worker.probe_seqs)
+    return worker.probe_seqs
+
+
+def test_worker_sync_reports_both_checks(worker, probes):
+    moved_adapter(worker, seed=1)
+    out = worker.sync()
+    assert out["sync/adapter_match"] == 1.0
+    assert out["sync/logprob_diff_max"] < FP32_BOUNDS.max
+    assert out["sync/logprob_ref_diff_mean"] > 10 * FP32_BOUNDS.mean  # the adapter moved the policy
+
+
+def test_probe_catches_a_skipped_sync_in_fp32(worker, probes):
+    moved_adapter(worker, seed=2)
+    worker.sync()
+    moved_adapter(worker, seed=3)  # trained on, never synced
+    with pytest.raises(SyncError, match="rank 0: after the sync vLLM and the trainer disagree"):
+        worker.probe()
+
+
+def test_probe_catches_a_zeroed_adapter_in_fp32(worker, probes):
+    lora = moved_adapter(worker, seed=4)
+    worker.sync()
+    config = worker.engine.adapter_config()
+    worker.rollout.apply(WeightPayload.adapter({k: torch.zeros_like(v) for k, v in lora.items()}, config))
+    with pytest.raises(SyncError, match="disagree|adapter-off reference"):
+        worker.probe()
+
+
+def test_probe_catches_one_layers_b_left_out_in_fp32(worker, probes):
+    lora = moved_adapter(worker, seed=5)
+    worker.sync()
+    sent = {k: v.clone() for k, v in lora.items()}
+    sent["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].zero_()
+    worker.rollout.apply(WeightPayload.adapter(sent, worker.engine.adapter_config()))
+    with pytest.raises(SyncError, match="disagree"):
+        worker.probe()
+    worker.sync()  # a real sync puts it right
+    assert worker.probe()["sync/logprob_diff_max"] < FP32_BOUNDS.max
