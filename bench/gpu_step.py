@@ -642,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.check_sync_tolerance if args.check_sync_tolerance is not None else shape.check_sync_tolerance
             )
             row = {"run": run.name, "system": run.system, "shape": run.shape, "kl": run.kl, "mode": run.mode}
+            # Every row has the fixed keys, also when the run fails before it measures anything.
+            row.update(step_s=None, tokens_per_step=None, steps_s=[], breakdown={}, mfu_update=None, command=None)
             row["gpu_memory_used_mib_before"] = None if args.cpu_smoke else gpu_memory_used_mib()
             log = (logs or tmp) / f"{run.name}.log"
             t0 = time.perf_counter()
