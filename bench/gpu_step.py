@@ -331,7 +331,7 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     out = {"command": shlex.join(["python", *cmd[1:]]), "exit_code": code, "rows": rows, "log": text}
     if code != 0 or len(rows) < int(overrides_value(overrides, "trainer.total_steps")):
         why = "timed out" if code is None else f"exit {code}"
-        out["error"] = f"{why} after {len(rows)} steps: {tail(text)}"
+        out["error"] = f"{why} after {len(rows)} steps; log tail:\n{tail(text)}"
     return out
 
 
@@ -442,7 +442,7 @@ def run_trl(
         attempt = {"command": shlex.join(["python", *cmd[1:]]), "exit_code": code, "launch": launch}
         if code != 0 or len(steps) < int(args[args.index("--steps") + 1]):
             why = "timed out" if code is None else f"exit {code}"
-            attempt["error"] = f"{why} after {len(steps)} steps: {tail(text)}"
+            attempt["error"] = f"{why} after {len(steps)} steps; log tail:\n{tail(text)}"
         attempts.append(attempt)
         if "error" not in attempt or steps:
             return {**attempt, "result": result, "log": text, "earlier_attempts": attempts[:-1]}

@@ -309,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
             },
         }
 
+    def write_out(obj: dict) -> None:
+        # Replaced whole, never half-written: a run stopped mid-write keeps the previous steps.
+        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, args.out)
+
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args_, state, control, **kw):
             settle()
@@ -328,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["generate_and_score_s"] - row.get("generation_s", 0.0) - row["sync_s"] - row["logp_s"]
                 )
             step_rows.append(row)
-            Path(args.out).write_text(json.dumps(result(None), indent=1))
+            write_out(result(None))
 
     trainer = None
     init_s = None
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
-    Path(args.out).write_text(json.dumps(result(train_s), indent=1))
+    write_out(result(train_s))
 
 
 if __name__ == "__main__":
