@@ -139,11 +139,12 @@ def plan(shapes: list[str], kls: list[bool], modes: list[str], systems: list[str
                 else:
                     runs += [Run("lorarl", shape, kl, mode) for mode in modes]
 
-    def priority(run: Run) -> tuple:
-        tier = (2 if run.system == "lorarl" and run.mode == "merged" else 0) + int(run.kl)
-        return (tier, shapes.index(run.shape), systems.index(run.system))
+    return sorted(runs, key=lambda run: priority(run, shapes, systems))
 
-    return sorted(runs, key=priority)
+
+def priority(run: Run, shapes: list[str], systems: list[str]) -> tuple:
+    tier = (2 if run.system == "lorarl" and run.mode == "merged" else 0) + int(run.kl)
+    return (tier, shapes.index(run.shape), systems.index(run.system))
 
 
 def select(runs: list[Run], only: str | None) -> list[Run]:
@@ -704,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             # Written after every run: a later crash or a killed command keeps the finished ones.
             result["wall_s"] = time.perf_counter() - t_start
+            result["step_compare"].sort(
+                key=lambda r: priority(
+                    Run(r["system"], r["shape"], r["kl"], r["mode"]), list(SHAPE_RUNS), ["lorarl", "trl"]
+                )
+            )
             write_json(js, result)
             (out_dir / f"{stem}.md").write_text(markdown(result))
     print(f"[gpu_step] wrote {js} and {out_dir / f'{stem}.md'} ({time.perf_counter() - t_start:.0f} s)", flush=True)
