@@ -713,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(js, result)
             (out_dir / f"{stem}.md").write_text(markdown(result))
     print(f"[gpu_step] wrote {js} and {out_dir / f'{stem}.md'} ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    return 1 if any(row.get("error") for row in result["step_compare"]) else 0
+    ran = {r.name for r in runs}  # rows kept by --append were judged by their own command
+    return 1 if any(row.get("error") for row in result["step_compare"] if row["run"] in ran) else 0
 
 
 if __name__ == "__main__":
