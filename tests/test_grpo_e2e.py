@@ -228,7 +228,8 @@ def test_workers_get_the_launchers_communication_settings(monkeypatch):
     [
         ("dapo", []),
         ("dr_grpo", []),
-        ("gspo", ["algorithm.rollout_correction.mode=token_tis"]),
+        # below 1, the sampler's log-probs must still be at the trainer's temperature (ratio ~1)
+        ("gspo", ["algorithm.rollout_correction.mode=token_tis", "rollout.temperature=0.8"]),
     ],
 )
 def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):

@@ -48,8 +48,8 @@ AdapterTransport = Literal["tmpfs", "memory"]
 class Samples:
     """Per prompt, `n` responses: token ids and the log-prob of each sampled token.
 
-    Log-probs are vLLM's default "raw" ones: from the model's logits before
-    temperature and top-p, i.e. what the trainer computes for the same tokens.
+    Log-probs are vLLM's "processed" ones: after temperature (and top-k/top-p, which the
+    trainer does not apply: with top_p < 1 they are renormalised over the nucleus).
     """
 
     token_ids: list[list[list[int]]]
@@ -124,6 +124,9 @@ class VLLMRollout:
             enable_sleep_mode=enable_sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization,
             trust_remote_code=trust_remote_code,
+            # Sampled-token log-probs after temperature, as the trainer computes them (the
+            # rollout-mismatch metrics and correction compare the two).
+            logprobs_mode="processed_logprobs",
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
