@@ -295,7 +295,7 @@ def compose_run(overrides: list[str], cache: Path):
     os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in conf/data/arith.yaml reads it
     from lorarl.config import compose
 
-    return compose(overrides)
+    return compose(["+backend=fsdp", *overrides])
 
 
 def prompt_batches(run_cfg, steps: int) -> tuple[list[list], list[dict]]:
