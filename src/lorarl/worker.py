@@ -198,7 +198,7 @@ class Worker:
         if not self.run.model.lora.merge:
             method = "layered" if r.layered_summon else "bucketed"
             # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
-            dtype = getattr(torch, self.rollout.dtype)
+            dtype = self.rollout.torch_dtype
             payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method, dtype=dtype)
             stats.append(self._apply(payload, gather_s))
             if self.run.trainer.check_sync:

@@ -159,6 +159,11 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ state
     @property
+    def torch_dtype(self):
+        """The dtype the engine holds its weights (and LoRA stacks) in, as vLLM resolved it."""
+        return self.llm.llm_engine.vllm_config.model_config.dtype
+
+    @property
     def lora_enabled(self) -> bool:
         return self.max_lora_rank is not None
 
