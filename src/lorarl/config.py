@@ -92,9 +92,6 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     # vLLM sleep mode between rollouts (GPU only).
     free_cache_engine: bool = True
-    # Adapter mode: keep the base weights on the GPU while the rollout sleeps (only the KV cache
-    # is freed). null: when the checkpoint takes at most 25% of the GPU's memory.
-    keep_weights_on_sleep: bool | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.

@@ -164,12 +164,6 @@ class GRPOTrainer:
         say(
             f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
             f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
-            + (
-                f"; rollout sleeps at level {first_sync['rollout/sleep_level']} during updates "
-                "(0: KV cache only, 1: weights to host too, 2: all discarded)"
-                if "rollout/sleep_level" in first_sync
-                else ""
-            )
         )
         if t.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)

@@ -9,7 +9,6 @@ exists that could disagree.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import random
 import time
@@ -25,8 +24,6 @@ from lorarl.config import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine, is_on_policy
 from lorarl.sync import PayloadKind, SyncStats
-
-log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -86,34 +83,11 @@ class Worker:
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
-            keep_weights_on_sleep=self._keeps_weights(),
         )
         self.engine = make_engine(self.run, self.device)
         if self._sleeps:
             self.rollout.sleep()
         return self.dp_rank, self.dp_size
-
-    def _keeps_weights(self) -> bool:
-        """Whether the rollout keeps its base on the GPU while it sleeps (adapter mode only: in
-        merged mode the base is replaced every step). Automatic unless
-        rollout.keep_weights_on_sleep says: yes when the checkpoint takes at most a quarter of
-        the GPU's memory, since the trainer's copy, activations and the KV cache need the rest."""
-        configured = self.run.rollout.keep_weights_on_sleep
-        if not self._sleeps or self.run.model.lora.merge:
-            return False
-        if configured is not None:
-            return configured
-        weights = sum(f.stat().st_size for f in Path(self.run.model.path).glob("*.safetensors"))
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        keep = 0 < weights <= total / 4
-        if self.rank == 0:
-            log.info(
-                "rollout sleep: %s (checkpoint %.1f GiB, GPU %.0f GiB; rollout.keep_weights_on_sleep overrides)",
-                "KV cache only, base weights stay on the GPU" if keep else "base weights to host RAM and back",
-                weights / 2**30,
-                total / 2**30,
-            )
-        return keep
 
     @property
     def dp_rank(self) -> int:
@@ -219,8 +193,6 @@ class Worker:
         }
         if self._sleeps:
             out["timing/wake"] = t_wake
-            # 0: KV cache only freed during the update; 1: base weights to host RAM and back; 2: discarded.
-            out["rollout/sleep_level"] = self.rollout.sleep_level
         out.update(checks)
         if self.run.trainer.check_sync and self.probe_seqs is not None:
             out.update(self.probe())

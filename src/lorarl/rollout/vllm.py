@@ -75,12 +75,9 @@ class VLLMRollout:
         max_num_seqs: int | None = None,
         trust_remote_code: bool = False,
         fingerprint_base: bool = False,
-        keep_weights_on_sleep: bool = False,
     ) -> None:
         """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
-        `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync.
-        `keep_weights_on_sleep`: with a loaded base that only adapters update, sleeping frees the
-        KV cache alone (see sleep_level)."""
+        `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
         if adapter_transport not in ("tmpfs", "memory"):
             raise ConfigError(f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'")
         # The engine must live in this process: weights are pushed into its worker
@@ -110,8 +107,6 @@ class VLLMRollout:
         self.fingerprint_base = fingerprint_base
         self._sent: dict[str, tuple[Fingerprint, int]] = {}  # per HF name, of the last base payload
         self._asleep = False
-        self.keep_weights_on_sleep = keep_weights_on_sleep
-        self._kv_released = False
 
         kwargs: dict = dict(
             model=str(model_path),
@@ -179,14 +174,10 @@ class VLLMRollout:
 
     @property
     def sleep_level(self) -> int:
-        """0: free the KV cache only (weights stay on the GPU); 1: weights to host RAM too;
-        2: discard everything. Read from the one state: a loaded base that only adapters will
-        update must survive the sleep (0 when keep_weights_on_sleep, else 1); merged mode
-        resends the base every step, and a base not loaded yet (dummy load) is not worth
-        keeping (2)."""
-        if self.lora_enabled and self.base_loaded:
-            return 0 if self.keep_weights_on_sleep else 1
-        return 2
+        # Read from the one state: a loaded base that only adapters will update must survive
+        # the sleep (level 1, kept in host RAM); merged mode resends the base every step, and
+        # a base not loaded yet (dummy load) is not worth keeping (level 2).
+        return 1 if self.lora_enabled and self.base_loaded else 2
 
     def num_adapters(self) -> int:
         if not self.lora_enabled:
@@ -495,26 +486,14 @@ class VLLMRollout:
         if not self.enable_sleep_mode:
             raise ConfigError("rollout.enable_sleep_mode is false; this engine cannot sleep")
         level = self.sleep_level if level is None else level
-        if level not in (0, 1, 2):
-            raise ConfigError(f"sleep level {level} is not 0, 1 or 2")
-        if level == 0:
-            self.llm.reset_prefix_cache()  # what the cache held is about to be gone
-            self.run_in_worker(vllm_worker.release_kv_cache)
-            self._kv_released = True
-            return
+        if level not in (1, 2):
+            raise ConfigError(f"sleep level {level} is not 1 or 2")
         self.llm.sleep(level=level)
         self._asleep = True
         if level == 2:
             self.base_loaded = False  # level 2 discards weights; the adapter listing lies
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        if self._kv_released:
-            # Weights never left: only the KV cache comes back.
-            if tags is None or "kv_cache" in tags:
-                self.run_in_worker(vllm_worker.restore_kv_cache)
-                self._kv_released = False
-                self.llm.reset_prefix_cache()
-            return
         self.llm.wake_up(tags)
         if tags is None or "weights" in tags:
             self._asleep = False
@@ -534,10 +513,6 @@ class VLLMRollout:
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:
         """Free the engine (and its adapter folder); safe to call twice."""
-        if self._kv_released and self._llm is not None:
-            # Freeing an allocation whose memory is unmapped would unmap it twice.
-            self.run_in_worker(vllm_worker.restore_kv_cache)
-            self._kv_released = False
         self._llm = None
         self._adapter = None
         self._has_adapter = False

@@ -221,37 +221,3 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
         flat = param.detach().reshape(-1)
         out[name] = None if flat.numel() < numels[name] else (fingerprint(flat[: numels[name]]), str(param.dtype))
     return out
-
-
-def release_kv_cache(worker) -> int:
-    """Unmap the physical memory behind vLLM's KV cache and keep every other allocation (the
-    weights, the adapter stacks) resident; the bytes freed.
-
-    vLLM's own sleep has no such level: level 1 copies the weights to host RAM and back on
-    every step (0.8-0.9 s at 7B on H200) although an adapter-only update never changes them.
-    The KV cache's virtual addresses stay reserved, so CUDA graphs captured against them stay
-    valid once restore_kv_cache maps fresh memory behind them (contents are garbage: the caller
-    resets the prefix cache)."""
-    import torch
-    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
-
-    torch.cuda.synchronize()
-    freed = 0
-    for data in CuMemAllocator.get_instance().pointer_to_data.values():
-        if data.tag == "kv_cache" and not data.is_asleep:
-            unmap_and_release(data.handle)
-            data.is_asleep = True
-            freed += data.handle[1]
-    if not freed:
-        raise SyncError("vLLM's allocator holds no KV cache memory to release; was the engine started with sleep mode?")
-    return freed
-
-
-def restore_kv_cache(worker) -> None:
-    """Map memory behind the KV cache again (see release_kv_cache)."""
-    from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
-
-    for data in CuMemAllocator.get_instance().pointer_to_data.values():
-        if data.tag == "kv_cache" and data.is_asleep:
-            create_and_map(data.handle)
-            data.is_asleep = False
