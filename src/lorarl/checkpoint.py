@@ -138,3 +138,11 @@ def write_json(path: Path, obj) -> None:
 
 def read_json(path: Path):
     return json.loads(path.read_text())
+
+
+def read_json_if_valid(path: Path) -> dict | None:
+    """The JSON object in `path`, or None when the file is missing, unreadable or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

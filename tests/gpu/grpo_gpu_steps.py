@@ -186,7 +186,7 @@ def main() -> None:
         prompts = [
             tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch
         ]
-        responses, t_gen = worker.generate(
+        responses, _, t_gen = worker.generate(
             prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank
         )
         if dp_size < world:  # ranks of one model-parallel replica train on one set of samples, as the trainer does

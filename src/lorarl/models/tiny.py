@@ -117,14 +117,10 @@ def _recipe(seed: int, warmup_steps: int, arch: str) -> dict:
 
 
 def _is_complete(path: Path, recipe: dict) -> bool:
-    marker = path / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return all(info.get(k) == v for k, v in recipe.items())
+    from lorarl.checkpoint import read_json_if_valid
+
+    info = read_json_if_valid(path / MARKER)
+    return info is not None and all(info.get(k) == v for k, v in recipe.items())
 
 
 @contextlib.contextmanager

@@ -107,15 +107,10 @@ def extract_answer_verl(text: str, method: str = "strict") -> str | None:
     raise ValueError(f"gsm8k extract method must be 'strict' or 'flexible', got {method!r}")
 
 
-def score_verl(
-    solution: str,
-    ground_truth: str,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-) -> float:
-    """verl's GSM8K score: the extracted text must equal the ground truth string exactly."""
+def score_verl(solution: str, ground_truth: str, method: str = "strict", **scores: float) -> float:
+    """verl's GSM8K score: the extracted text must equal the ground truth string exactly.
+    `scores`: score (1.0) and format_score (0.0), as `score` takes them."""
     answer = extract_answer_verl(solution, method)
     if answer is None:
         return 0.0
-    return score if answer == str(ground_truth) else format_score
+    return scores.get("score", 1.0) if answer == str(ground_truth) else scores.get("format_score", 0.0)

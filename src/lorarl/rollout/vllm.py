@@ -14,7 +14,6 @@ for hosting engines in a trainer's process in `engine_process`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -288,16 +287,9 @@ class VLLMRollout:
             logprobs.append([[step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)] for c in out.outputs])
         return Samples(tokens, logprobs)
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_tokens: int = 64,
-        seed: int | None = None,
-    ) -> list[list[list[int]]]:
-        return self.sample(prompt_ids, n, temperature, top_p, max_tokens, seed).token_ids
+    def generate(self, prompt_ids: Sequence[Sequence[int]], **sampling) -> list[list[list[int]]]:
+        """The token ids of `sample(prompt_ids, **sampling)`."""
+        return self.sample(prompt_ids, **sampling).token_ids
 
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
         """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
@@ -542,12 +534,10 @@ def _resolve_dtype(model_path: str | os.PathLike, dtype: str) -> str:
     """
     if dtype != "auto":
         return dtype
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return dtype
-    try:
-        saved = json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError):
+    from lorarl.checkpoint import read_json_if_valid
+
+    saved = read_json_if_valid(Path(model_path) / "config.json")
+    if saved is None:
         return dtype
     return "float32" if saved.get("dtype", saved.get("torch_dtype")) == "float32" else dtype
 

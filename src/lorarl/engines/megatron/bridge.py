@@ -106,26 +106,22 @@ class MegatronBridgeAdapter:
         return self._tasks
 
     def export_base(self, model: list) -> Named:
-        stream = self.bridge.export_hf_weights(
-            model,
-            cpu=self.cpu,
-            show_progress=False,
-            conversion_tasks=self.conversion_tasks(model),
-            merge_adapter_weights=False,
-        )
-        return owned(normalize_base_names(stream))
+        return self._export_hf(model, merge=False)
 
     def export_adapter(self, model: list) -> Named:
         stream = self.bridge.export_adapter_weights(model, cpu=self.cpu, show_progress=False)
         return owned(normalize_adapter_names(stream))
 
     def export_merged(self, model: list) -> Named:
+        return self._export_hf(model, merge=True)
+
+    def _export_hf(self, model: list, merge: bool) -> Named:
         stream = self.bridge.export_hf_weights(
             model,
             cpu=self.cpu,
             show_progress=False,
             conversion_tasks=self.conversion_tasks(model),
-            merge_adapter_weights=True,
+            merge_adapter_weights=merge,
         )
         return owned(normalize_base_names(stream))
 
