@@ -34,7 +34,7 @@ def lora(**kw):
         "init_A": "kaiming",
         "merge": False,
     }
-    return {**base, **kw}
+    return LoraConfig(**{**base, **kw})
 
 
 def backend(**kw):

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from lorarl.config import LoraConfig
 from lorarl.engines.megatron import names as N
 from lorarl.engines.megatron.config_map import peft_adapter_config
 from lorarl.errors import ConfigError, ModelError, SyncError
@@ -507,14 +508,16 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path, arch):
         merged_hf.update(R.megatron_to_hf_state(mc, shape, tp_size=tp))
     tensors = R.megatron_lora_to_peft(shards_all, shape)
     cfg = peft_adapter_config(
-        {
-            "rank": RANK,
-            "alpha": ALPHA,
-            "dropout": 0.0,
-            "target_modules": ["all-linear"],
-            "type": "lora",
-            "init_A": "xavier",
-        }
+        LoraConfig(
+            **{
+                "rank": RANK,
+                "alpha": ALPHA,
+                "dropout": 0.0,
+                "target_modules": ["all-linear"],
+                "type": "lora",
+                "init_A": "xavier",
+            }
+        )
     )
     folder = tmp_path / "adapter"
     folder.mkdir()
@@ -647,14 +650,16 @@ def test_split_adapter_is_a_valid_rollout_payload():
     _, shards, _ = _random_lora_layer(0, 2, _gen(9))
     tensors = {k: v.float() for k, v in R.megatron_lora_to_peft(shards, SHAPE).items()}
     cfg = peft_adapter_config(
-        {
-            "rank": RANK,
-            "alpha": ALPHA,
-            "dropout": 0.0,
-            "target_modules": ["all-linear"],
-            "type": "lora",
-            "init_A": "xavier",
-        }
+        LoraConfig(
+            **{
+                "rank": RANK,
+                "alpha": ALPHA,
+                "dropout": 0.0,
+                "target_modules": ["all-linear"],
+                "type": "lora",
+                "init_A": "xavier",
+            }
+        )
     )
     payload = WeightPayload.adapter(tensors, cfg)
     assert payload.kind is PayloadKind.ADAPTER and len(payload.tensors) == 14

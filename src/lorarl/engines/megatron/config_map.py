@@ -37,13 +37,6 @@ LOCAL_SPEC_FUSIONS_OFF = {
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def get(obj: Any, key: str, default: Any = None) -> Any:
-    """obj.key or obj[key] for dataclasses, OmegaConf nodes and dicts alike."""
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
 # ---------------------------------------------------------------------------------------------
 # LoRA
 # ---------------------------------------------------------------------------------------------
@@ -69,22 +62,22 @@ class PeftSpec:
 
 def peft_spec(lora: Any) -> PeftSpec:
     """`model.lora` -> LoRA/CanonicalLoRA(target_modules, dim, alpha, dropout, ...)."""
-    lora_type = get(lora, "type", "lora")
+    lora_type = lora.type
     if lora_type not in LORA_TYPES:
         raise ConfigError(f"model.lora.type={lora_type!r} is not valid; use one of: {', '.join(LORA_TYPES)}")
-    init_a = get(lora, "init_A", "xavier")
+    init_a = lora.init_A
     if init_a not in INIT_METHODS:
         raise ConfigError(f"model.lora.init_A={init_a!r} is not valid; use one of: {', '.join(INIT_METHODS)}")
-    rank = get(lora, "rank")
+    rank = lora.rank
     if not isinstance(rank, int) or rank <= 0:
         raise ConfigError(f"model.lora.rank={rank!r} must be a positive integer")
-    alpha = get(lora, "alpha", 32)
+    alpha = lora.alpha
     if not isinstance(alpha, (int, float)) or alpha <= 0:
         raise ConfigError(f"model.lora.alpha={alpha!r} must be > 0")
-    dropout = float(get(lora, "dropout", 0.0))
+    dropout = float(lora.dropout)
     if not 0.0 <= dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={dropout} must be in [0, 1)")
-    targets = resolve_lora_targets(list(get(lora, "target_modules")), lora_type)
+    targets = resolve_lora_targets(list(lora.target_modules), lora_type)
     kwargs = {
         "target_modules": list(targets.megatron),
         "dim": rank,
@@ -142,17 +135,17 @@ class ProviderPlan:
 
 def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
     """`backend.*` (+ model.dtype) -> provider attributes."""
-    impl = get(backend, "transformer_impl", "local")
+    impl = backend.transformer_impl
     if impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={dtype!r} is not valid; use one of: {', '.join(DTYPES)}")
-    tp = int(get(backend, "tensor_model_parallel_size", 1))
-    pp = int(get(backend, "pipeline_model_parallel_size", 1))
+    tp = int(backend.tensor_model_parallel_size)
+    pp = int(backend.pipeline_model_parallel_size)
     settings: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
-        "sequence_parallel": bool(get(backend, "sequence_parallel", False)),
+        "sequence_parallel": bool(backend.sequence_parallel),
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",
         "params_dtype": _torch_dtype(dtype),
@@ -164,14 +157,14 @@ def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
     }
-    granularity = get(backend, "recompute_granularity")
+    granularity = backend.recompute_granularity
     if granularity is not None:
         settings["recompute_granularity"] = granularity
-        settings["recompute_method"] = get(backend, "recompute_method")
-        settings["recompute_num_layers"] = get(backend, "recompute_num_layers")
+        settings["recompute_method"] = backend.recompute_method
+        settings["recompute_num_layers"] = backend.recompute_num_layers
     if impl == "local":
         settings.update(LOCAL_SPEC_FUSIONS_OFF)
-    overrides = dict(get(backend, "override_transformer_config", None) or {})
+    overrides = dict(backend.override_transformer_config or {})
     return ProviderPlan(settings, impl, "local" if impl == "local" else None, overrides)
 
 
@@ -228,15 +221,15 @@ def check_megatron(
     Model-shape arguments are optional so the config-only part runs before the HF config
     is read; pass them once it is.
     """
-    tp = get(backend, "tensor_model_parallel_size", 1)
-    pp = get(backend, "pipeline_model_parallel_size", 1)
+    tp = backend.tensor_model_parallel_size
+    pp = backend.pipeline_model_parallel_size
     for key, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"backend.{key}={v!r} must be an integer >= 1")
-    bridge = get(backend, "bridge", "megatron_bridge")
+    bridge = backend.bridge
     if bridge not in ("megatron_bridge", "mbridge"):
         raise ConfigError(f"backend.bridge={bridge!r} is not valid; use one of: megatron_bridge, mbridge")
-    impl = get(backend, "transformer_impl", "local")
+    impl = backend.transformer_impl
     if impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
     spec = peft_spec(lora)
@@ -244,7 +237,7 @@ def check_megatron(
     if rank % tp:
         # ColumnParallelLinear(in, dim) for LoRA A: megatron's divide() asserts dim % tp == 0.
         raise ConfigError(f"model.lora.rank={rank} must be divisible by backend.tensor_model_parallel_size={tp}")
-    sp = bool(get(backend, "sequence_parallel", False))
+    sp = bool(backend.sequence_parallel)
     if sp and tp == 1:
         raise ConfigError(
             "backend.sequence_parallel=true needs backend.tensor_model_parallel_size > 1 (megatron-core refuses SP without TP)"
@@ -255,7 +248,7 @@ def check_megatron(
             "the local spec's RMSNorm (torch.nn.RMSNorm wrapper) does not support sequence parallelism"
         )
     if bridge == "mbridge":
-        if not get(lora, "merge", False):
+        if not lora.merge:
             raise ConfigError(
                 "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or backend.bridge=megatron_bridge"
             )
@@ -265,7 +258,7 @@ def check_megatron(
                 "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge"
             )
     _check_recompute(backend, num_layers, pp)
-    overrides = get(backend, "override_transformer_config", None) or {}
+    overrides = backend.override_transformer_config or {}
     if not isinstance(overrides, Mapping):
         raise ConfigError("backend.override_transformer_config must be a mapping of TransformerConfig fields to values")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"):
@@ -299,9 +292,9 @@ def check_megatron(
 
 
 def _check_recompute(backend: Any, num_layers: int | None, pp: int) -> None:
-    gran = get(backend, "recompute_granularity")
-    method = get(backend, "recompute_method")
-    n = get(backend, "recompute_num_layers")
+    gran = backend.recompute_granularity
+    method = backend.recompute_method
+    n = backend.recompute_num_layers
     if gran not in RECOMPUTE_GRANULARITIES:
         raise ConfigError(f"backend.recompute_granularity={gran!r} is not valid; use null, full or selective")
     if method not in RECOMPUTE_METHODS:
@@ -345,5 +338,4 @@ __all__ = [
     "apply_provider_plan",
     "check_megatron",
     "require_cuda",
-    "get",
 ]
