@@ -62,7 +62,7 @@ def make_run(model: str, dtype: str, rank: int, world: int, device: str) -> RunC
 
 def seed_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     """Seeded full LoRA values scattered into the shards; returns them on CPU by PEFT name."""
-    from lorarl.engines.fsdp import _peft_name
+    from lorarl.engines.fsdp import peft_name
 
     full = {}
     with torch.no_grad():
@@ -70,7 +70,7 @@ def seed_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
             if not p.requires_grad:
                 continue
             value = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.02
-            full[_peft_name(name)] = value
+            full[peft_name(name)] = value
             value = value.to(device=p.device, dtype=p.dtype)
             if isinstance(p, DTensor):
                 p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements).to_local())
@@ -82,11 +82,11 @@ def seed_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
 def full_state_dict_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lorarl.engines.fsdp import _peft_name
+    from lorarl.engines.fsdp import peft_name
 
     # cpu_offload=False: every rank holds the whole gathered model, what a naive exporter does.
     sd = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return {_peft_name(k): v.detach().to("cpu", copy=True) for k, v in sd.items() if "lora_" in k}
+    return {peft_name(k): v.detach().to("cpu", copy=True) for k, v in sd.items() if "lora_" in k}
 
 
 def run_method(engine: FSDPEngine, method: str) -> tuple[object, int, int]:
@@ -98,10 +98,10 @@ def run_method(engine: FSDPEngine, method: str) -> tuple[object, int, int]:
         tensors = full_state_dict_lora(engine)
     else:
         merge = method == "merged_stream"
-        # The trainer's base stream (FSDPEngine._base_stream), consumed the way vLLM does:
+        # The trainer's base stream (FSDPEngine.base_stream), consumed the way vLLM does:
         # one tensor at a time, nothing kept.
         n, size = 0, 0
-        for _, t in engine._base_stream(merge=merge):
+        for _, t in engine.base_stream(merge=merge):
             n += 1
             size += t.numel() * t.element_size()
         return None, n, size

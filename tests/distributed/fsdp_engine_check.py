@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig, compose
-from lorarl.engines.fsdp import FSDPEngine, _peft_name
+from lorarl.engines.fsdp import FSDPEngine, peft_name
 from lorarl.sync import PayloadKind
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -57,7 +57,7 @@ def randomize_lora(engine: FSDPEngine) -> None:
     values = {}
     for i, (name, p) in enumerate(engine.model.named_parameters()):
         if p.requires_grad:
-            values[_peft_name(name)] = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 + i)) * 0.05
+            values[peft_name(name)] = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 + i)) * 0.05
     engine.load_state(values, optimizer=None, scheduler=None)
 
 

@@ -258,14 +258,14 @@ class FSDPEngine:
             tensors = gather[method](dtype)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
-        return WeightPayload.base(self._base_stream(merge=merge)), time.perf_counter() - t0
+        return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
 
     def _adapter_per_param(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 full = p.full_tensor() if isinstance(p, DTensor) else p
-                out[_peft_name(name)] = full.detach().to("cpu", dtype=dtype, copy=True)
+                out[peft_name(name)] = full.detach().to("cpu", dtype=dtype, copy=True)
         return out
 
     def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -279,7 +279,7 @@ class FSDPEngine:
                 # Unsharded params are swapped in only while unsharded: read them now.
                 for n, p in _own_params(unit):
                     if "lora_" in n:
-                        out[_peft_name(prefix + n)] = p.detach().to("cpu", dtype=dtype, copy=True)
+                        out[peft_name(prefix + n)] = p.detach().to("cpu", dtype=dtype, copy=True)
                 unit.reshard()
         return out
 
@@ -312,11 +312,11 @@ class FSDPEngine:
             # host: reassembling the strided blocks on the CPU made this 6x slower than the
             # layered gather on 2 x H200 at 7B (bench/results/gpu_2026-11-30).
             block = gathered[:, offset : offset + width].reshape(self.world * chunk, cols)[: shape[0]]
-            out[_peft_name(name)] = block.reshape(shape).to("cpu", dtype=dtype, copy=True)
+            out[peft_name(name)] = block.reshape(shape).to("cpu", dtype=dtype, copy=True)
             offset += width
         return out
 
-    def _base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Plain-HF-named base weights, one FSDP unit unsharded at a time; merged W + BA if asked."""
         scale = self.run.model.lora.alpha / self.run.model.lora.rank
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -369,7 +369,7 @@ class FSDPEngine:
             for name, p in self.model.named_parameters():
                 if not p.requires_grad:
                     continue
-                key = _peft_name(name)
+                key = peft_name(name)
                 if key not in lora:
                     raise ModelError(
                         f"checkpoint adapter has no tensor {key}; was it saved with another model.lora config?"
@@ -407,7 +407,7 @@ def _own_params(unit: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, p
 
 
-def _peft_name(param_name: str) -> str:
+def peft_name(param_name: str) -> str:
     """PEFT's saved adapter name: the adapter name (`default`) is dropped."""
     return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
 
