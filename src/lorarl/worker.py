@@ -277,6 +277,10 @@ class Worker:
             self.rollout = None
         self.engine = None
         if dist.is_initialized():
+            from lorarl.rollout import engine_process
+
+            engine_process.release_distributed()
+        if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
 

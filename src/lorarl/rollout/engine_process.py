@@ -76,6 +76,20 @@ def _release_engine(llm, adapter_dir: Path | None) -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
 
+def release_distributed() -> None:
+    """For a caller that owns torch.distributed and is about to destroy it: vLLM's world group
+    wraps the caller's process group, and a later engine in this process would reuse the stale
+    wrapper ("Process group ... is not initialized in the world group map"). Drops both once
+    no engine is alive."""
+    if _live_engines > 0:
+        return
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment
+    except ImportError:
+        return
+    destroy_distributed_environment()
+
+
 class process_state_kept:
     """Undo what building an in-process vLLM engine does to the host process.
 

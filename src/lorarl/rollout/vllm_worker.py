@@ -179,6 +179,10 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
         stacks_b = getattr(module, "lora_b_stacked", None)
         if stacks_a is None or stacks_b is None:
             continue  # no LoRA stacks (e.g. a classification head): nothing an adapter payload fills
+        if "Embedding" in type(module).__name__:
+            # vLLM wraps embeddings for LoRA on some models (Qwen3); lorarl never targets them
+            # (config validation refuses embed_tokens/lm_head), so those slots stay empty.
+            continue
         if isinstance(stacks_a, Tensor):
             stacks_a, stacks_b = (stacks_a,), (stacks_b,)
         parts = packed.get(name)
