@@ -296,16 +296,22 @@ class VLLMRollout:
         return self.prompt_logprobs_many([token_ids], start)[0]
 
     def prompt_logprobs_many(self, sequences: Sequence[Sequence[int]], start: int) -> list[list[float]]:
-        """prompt_logprobs for several sequences in one engine call."""
+        """prompt_logprobs for several sequences, one engine call each: vLLM's LoRA logits
+        processor (Qwen3 wraps lm_head) sizes its per-token LoRA indices for the sampled tokens,
+        so prompt log-probs of a batch of several requests fail in its shrink kernel
+        ("einsum(): subscript b has size 3 ... size 7", vLLM 0.32 CPU); one request at a time works."""
         from vllm import SamplingParams
 
         for token_ids in sequences:
             if not 1 <= start < len(token_ids):
                 raise ValueError(f"start={start} must lie in 1..{len(token_ids) - 1}")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate(
-            [{"prompt_token_ids": list(t)} for t in sequences], params, lora_request=self.lora_request(), use_tqdm=False
-        )
+        outs = [
+            self.llm.generate(
+                [{"prompt_token_ids": list(t)}], params, lora_request=self.lora_request(), use_tqdm=False
+            )[0]
+            for t in sequences
+        ]
         return [
             [out.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
             for out, token_ids in zip(outs, sequences)
