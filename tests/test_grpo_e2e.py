@@ -234,8 +234,9 @@ def test_workers_get_the_launchers_communication_settings(monkeypatch):
 )
 def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
     """Each GRPO variant trains the embedded default: reward rises, its own metrics are logged."""
+    steps = 40 if algorithm == "dapo" else 30  # no KL and filtered groups: dapo moves slower on this task
     out = grpo(
-        tmp_path / "run", cache, f"algorithm={algorithm}", "trainer.total_steps=30", "trainer.device=cpu", *extra
+        tmp_path / "run", cache, f"algorithm={algorithm}", f"trainer.total_steps={steps}", "trainer.device=cpu", *extra
     )
     assert out.returncode == 0, out.stderr[-5000:]
     rows = metrics(tmp_path / "run")
