@@ -98,8 +98,10 @@ def test_overlong_penalty_and_group_filter():
     assert A.overlong_penalty(80, 100, 20, 1.0) == 0.0
     assert A.overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
     assert A.overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
-    signal = A.groups_with_signal(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1, 2, 2]))
-    assert signal.tolist() == [False, True, False]
+    from lorarl.trainer import Group
+
+    groups = [Group(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
+    assert [g.has_signal for g in groups] == [False, True, False]
 
 
 @pytest.mark.parametrize(

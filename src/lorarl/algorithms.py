@@ -290,14 +290,3 @@ def overlong_penalty(length: int, max_length: int, buffer: int, penalty_factor: 
     -penalty_factor at max_length."""
     exceed = length - (max_length - buffer)
     return min(-exceed / buffer * penalty_factor, 0.0) if buffer > 0 else 0.0
-
-
-def groups_with_signal(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """[G] bool over sorted unique group ids: True where the group's rewards are not all equal
-    (DAPO's dynamic sampling keeps only those; an all-equal group has zero advantage)."""
-    _, inv = torch.unique(group_index, return_inverse=True)
-    n = int(inv.max()) + 1 if inv.numel() else 0
-    r = rewards.to(torch.float64)
-    hi = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amax")
-    lo = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce(0, inv, r, "amin")
-    return hi != lo
