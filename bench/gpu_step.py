@@ -3,9 +3,9 @@
 Each run is a subprocess, as users launch it:
   lorarl  `python -m recipes.grpo +backend=fsdp model=<preset> model.path=<shaped model> data=arith
           data.max_response_length=128 data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32
-          actor.ppo_micro_batch_size_per_gpu=<64 | 16> rollout.gpu_memory_utilization=<0.4 | 0.35>
-          rollout.enforce_eager=false trainer.check_sync=true ...` (the settings of
-          ../shared/tools/gpu-vllm/step.sh), KL loss off/on, adapter or merged sync;
+          rollout.gpu_memory_utilization=<0.4 | 0.35> rollout.enforce_eager=false trainer.check_sync=true ...`
+          (the work of ../shared/tools/gpu-vllm/step.sh; micro-batching and activation checkpointing
+          as the model preset sets them), KL loss off/on, adapter or merged sync;
   trl     `python -m torch.distributed.run --standalone --nproc_per_node=1 -m bench.trl_grpo_worker ...`:
           GRPOTrainer, PEFT LoRA, vLLM colocate, the same model, prompts (lorarl's loader order,
           read through lorarl's own loader), batch (32 prompts x 8 completions x 128 tokens, one
@@ -87,18 +87,18 @@ class Shape:
     """How one model size runs: the settings of ../shared/tools/gpu-vllm/step.sh."""
 
     model: str | None  # key of bench.common.SHAPES; None: the embedded tiny model
-    preset: str  # conf/model/<preset>.yaml
-    micro: int  # actor.ppo_micro_batch_size_per_gpu, and TRL's per_device_train_batch_size
+    preset: str  # conf/model/<preset>.yaml: its micro-batching and checkpointing are what runs
     gpu_memory_utilization: float | None
     # trainer.check_sync_tolerance (None: the project's default checks by precision).
     check_sync_tolerance: float | None = None
 
 
 SHAPE_RUNS = {
-    "0.5b": Shape("qwen2.5-0.5b", "qwen2_5_0_5b_instruct", 64, 0.4),
-    "7b": Shape("qwen2.5-7b", "qwen2_5_7b_instruct", 16, 0.35),
-    "tiny": Shape(None, "qwen2_tiny", 4, None),  # 4 micro-batches per step, as on the GPU
+    "0.5b": Shape("qwen2.5-0.5b", "qwen2_5_0_5b_instruct", 0.4),
+    "7b": Shape("qwen2.5-7b", "qwen2_5_7b_instruct", 0.35),
+    "tiny": Shape(None, "qwen2_tiny", None),
 }
+SMOKE_MICRO = 4  # the tiny smoke run: 4 micro-batches per step, so it takes the accumulation path
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,6 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
         f"data.train_batch_size={work.prompts}",
         f"rollout.n={work.n}",
         f"actor.ppo_mini_batch_size={work.prompts}",
-        f"actor.ppo_micro_batch_size_per_gpu={shape.micro}",
         f"trainer.total_steps={work.steps}",
         f"actor.use_kl_loss={str(run.kl).lower()}",
         f"actor.kl_loss_coef={KL_COEF}",
@@ -282,7 +281,7 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
         "trainer.progress_bar=false",
     ]
     if cpu:
-        out.append("trainer.device=cpu")
+        out += ["trainer.device=cpu", f"actor.ppo_micro_batch_size_per_gpu={SMOKE_MICRO}"]
     else:
         out += [f"rollout.gpu_memory_utilization={shape.gpu_memory_utilization}", "rollout.enforce_eager=false"]
     if tolerance is not None:
@@ -383,6 +382,20 @@ def trl_command(launch: str, args: list[str]) -> list[str]:
     return [*head, "bench.trl_grpo_worker", *args]
 
 
+def trl_micro_batch(run_cfg, work: Work) -> int:
+    """TRL's per_device_train_batch_size for lorarl's micro-batching: its row count, or for a
+    token budget the rows of the longest sequences that fit it, rounded down to a power of two
+    (TRL needs it to divide the 256 completions of a step)."""
+    a, d = run_cfg.actor, run_cfg.data
+    rows = (
+        a.ppo_max_token_len_per_gpu // (d.max_prompt_length + d.max_response_length)
+        if a.use_dynamic_bsz
+        else a.ppo_micro_batch_size_per_gpu
+    )
+    rows = max(1, min(rows, work.prompts * work.n))
+    return 1 << (rows.bit_length() - 1)
+
+
 def trl_args(run: Run, run_cfg, work: Work, shape: Shape, model: Path, data: Path, out: Path, cpu: bool, is_corr: str):
     r, d, m = run_cfg.rollout, run_cfg.data, run_cfg.model
     args = [
@@ -402,7 +415,7 @@ def trl_args(run: Run, run_cfg, work: Work, shape: Shape, model: Path, data: Pat
         "--alpha", str(m.lora.alpha),
         "--lr", str(run_cfg.actor.optim.lr),
         "--beta", str(KL_COEF if run.kl else 0.0),
-        "--micro-batch", str(min(shape.micro, work.prompts * work.n)),
+        "--micro-batch", str(trl_micro_batch(run_cfg, work)),
         "--gradient-checkpointing", "on" if m.enable_gradient_checkpointing else "off",
         "--max-model-len", str(r.max_model_len or d.max_prompt_length + d.max_response_length),
         "--temperature", str(r.temperature),

@@ -115,10 +115,28 @@ QWEN_PRESETS = [o for o in options("model") if o.startswith("qwen") and not o.en
 
 
 @pytest.mark.parametrize("model", QWEN_PRESETS)
-def test_qwen_model_presets_are_the_shared_base_plus_path_and_lr(model):
+def test_qwen_model_presets_are_the_shared_base_plus_size_dependent_keys(model):
+    """A preset holds what depends on the model's size: path, learning rate, token budget per
+    micro-batch, and (for the sizes that need it) activation checkpointing."""
     body = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert list(body.pop("defaults")) == ["/model_base/qwen_lora", "_self_"]
-    assert set(_flat(OmegaConf.to_container(body))) == {"model.path", "actor.optim.lr"}
+    keys = set(_flat(OmegaConf.to_container(body)))
+    assert {"model.path", "actor.optim.lr", "actor.ppo_max_token_len_per_gpu"} <= keys
+    assert keys <= {
+        "model.path",
+        "actor.optim.lr",
+        "actor.ppo_max_token_len_per_gpu",
+        "model.enable_gradient_checkpointing",
+    }
+
+
+def test_qwen_presets_micro_batch_by_a_budget_that_shrinks_with_size(hydra_compose):
+    budget = {m: hydra_compose([f"model={m}"]).actor for m in QWEN_PRESETS}
+    assert all(a.use_dynamic_bsz for a in budget.values())
+    assert (
+        budget["qwen2_5_0_5b_instruct"].ppo_max_token_len_per_gpu
+        > budget["qwen2_5_7b_instruct"].ppo_max_token_len_per_gpu
+    )
 
 
 @pytest.mark.parametrize("model", ["qwen2_tiny", "qwen3_tiny"])

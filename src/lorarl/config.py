@@ -90,8 +90,9 @@ class RolloutConfig:
     layered_summon: bool = False
     # null: CUDA graphs on GPU (false), eager on CPU (true).
     enforce_eager: bool | None = None
-    # vLLM sleep mode between rollouts (GPU only).
-    free_cache_engine: bool = True
+    # vLLM sleep mode during the update (GPU only). null: sleep only when the update would not
+    # fit beside the awake engine (lorarl.memory estimates it; the decision is logged).
+    free_cache_engine: bool | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
@@ -194,6 +195,10 @@ class TrainerConfig:
     # The probe's bound on the worst token's |log-prob diff| (null: 1e-3 when both sides compute
     # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.20 at 7B).
     check_sync_tolerance: float | None = None
+    # The fingerprint runs after every sync; the probe (two trainer forwards and one vLLM
+    # prefill per probe sequence, 0.3-0.6 s a step on one H200) every this many steps, on the
+    # first step each process runs (so a resumed run probes at once) and on the last.
+    check_sync_probe_freq: int = 10
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
     # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
     default_local_dir: str = "checkpoints"
@@ -472,6 +477,7 @@ def validate(run: RunConfig) -> None:
         t.check_sync_tolerance is None or t.check_sync_tolerance > 0,
         f"trainer.check_sync_tolerance={t.check_sync_tolerance} must be > 0, or null for the default by precision",
     )
+    _check(t.check_sync_probe_freq >= 1, f"trainer.check_sync_probe_freq={t.check_sync_probe_freq} must be >= 1")
     for lg in t.logger:
         _one_of("trainer.logger", lg, ("console", "jsonl", "wandb", "tensorboard"))
     _check(

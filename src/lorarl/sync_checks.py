@@ -65,21 +65,41 @@ def _wrap(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> Fingerprint:
-    """Fingerprint of `tensor` as stored in `dtype` (default: its own), computed where it lives."""
+def fingerprint_sums(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The two sums of `fingerprint` as an int64 pair on the tensor's device, without waiting
+    for the device: a sync checks hundreds of tensors, and one host round trip per tensor cost
+    more than the sums (`resolve` reads many pairs at once)."""
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     if t.dtype not in _BITS:
         raise SyncError(f"cannot fingerprint a {t.dtype} tensor; sync checks cover float32/float16/bfloat16")
     bits = t.contiguous().view(_BITS[t.dtype]).reshape(-1)
-    total = weighted = 0
+    sums = torch.zeros(2, dtype=torch.int64, device=bits.device)
     for start in range(0, bits.numel(), _CHUNK):
         part = bits[start : start + _CHUNK].to(torch.int64)
         pos = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=part.device)
-        total += int(part.sum())
-        weighted += int((part * pos).sum())
-    return Fingerprint(_wrap(total), _wrap(weighted))
+        sums[0] += part.sum()  # int64 sums wrap modulo 2^64, as Fingerprint's arithmetic does
+        sums[1] += (part * pos).sum()
+    return sums
+
+
+def resolve(sums: list[Tensor]) -> list[Fingerprint]:
+    """Fingerprints of `fingerprint_sums` results, one host transfer per device."""
+    out: list[Fingerprint | None] = [None] * len(sums)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, pair in enumerate(sums):
+        by_device.setdefault(pair.device, []).append(i)
+    for indices in by_device.values():
+        values = torch.stack([sums[i] for i in indices]).tolist()
+        for i, (total, weighted) in zip(indices, values):
+            out[i] = Fingerprint(_wrap(total), _wrap(weighted))
+    return out  # type: ignore[return-value]
+
+
+def fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> Fingerprint:
+    """Fingerprint of `tensor` as stored in `dtype` (default: its own), computed where it lives."""
+    return resolve([fingerprint_sums(tensor, dtype)])[0]
 
 
 def combine(parts: Iterable[tuple[Fingerprint, int]]) -> Fingerprint:
@@ -131,6 +151,7 @@ def expected_adapter_slots(
         pairs.setdefault(module, {})["A" if is_a else "B"] = tensor
         peft_module[module] = _PEFT_MODULE.sub("", name)
     out = {module: (ZERO, ZERO) for module in slots}
+    pending: dict[str, tuple[Tensor, Tensor]] = {}
     for module, ab in pairs.items():
         if module not in slots:
             raise SyncError(
@@ -145,7 +166,9 @@ def expected_adapter_slots(
             b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
         if b.shape[1] < slot.b_shape[1]:
             b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[1]))
-        out[module] = (fingerprint(a), fingerprint(b))
+        pending[module] = (fingerprint_sums(a), fingerprint_sums(b))
+    resolved = iter(resolve([s for pair in pending.values() for s in pair]))
+    out.update({module: (next(resolved), next(resolved)) for module in pending})
     return out
 
 

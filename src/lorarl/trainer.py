@@ -155,6 +155,8 @@ class GRPOTrainer:
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
         self.group = WorkerGroup(self.run, self.device)
+        for plan in dict.fromkeys(self.group.sleep_plans):
+            say(plan)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
             say(f"resumed from {self.resume_from} at step {self.step}")
@@ -266,7 +268,9 @@ class GRPOTrainer:
         train = self.group.update(per_replica)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
-        syncs = self.group.sync()
+        t = self.run.trainer
+        probe = arm_probe or self.step % t.check_sync_probe_freq == 0 or self.step == self.total_steps
+        syncs = self.group.sync(probe=probe)
         t_sync_wall = time.perf_counter() - t0
 
         rewards_t = torch.tensor(rewards, dtype=torch.float32)

@@ -18,11 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lorarl import sync_checks
+from lorarl import memory, sync_checks
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine, is_on_policy
+from lorarl.memory import SleepPlan, plan_sleep
 from lorarl.sync import PayloadKind, SyncStats
 
 
@@ -43,6 +44,7 @@ class Worker:
         self.engine = None
         self.rollout = None
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
+        self.sleep_plan = SleepPlan(False, "not set up")
 
     # Ray calls these on every worker before anything else.
     def node_address(self) -> tuple[str, int]:
@@ -79,15 +81,16 @@ class Worker:
             load_format=r.load_format,
             # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
             enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
-            enable_sleep_mode=self._sleeps,
+            enable_sleep_mode=self._sleep_mode,
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
         )
         self.engine = make_engine(self.run, self.device)
+        self.sleep_plan = self._plan_sleep()
         if self._sleeps:
             self.rollout.sleep()
-        return self.dp_rank, self.dp_size
+        return self.dp_rank, self.dp_size, str(self.sleep_plan)
 
     @property
     def dp_rank(self) -> int:
@@ -99,8 +102,49 @@ class Worker:
         return self.engine.dp_size
 
     @property
+    def _sleep_mode(self) -> bool:
+        """The engine is built able to sleep (GPU, unless rollout.free_cache_engine=false)."""
+        return self.device.type == "cuda" and self.run.rollout.free_cache_engine is not False
+
+    @property
     def _sleeps(self) -> bool:
-        return self.device.type == "cuda" and self.run.rollout.free_cache_engine
+        """The rollout sleeps during every update (decided once in setup, see lorarl.memory)."""
+        return self.sleep_plan.sleeps
+
+    def _plan_sleep(self) -> SleepPlan:
+        if self.device.type != "cuda":
+            return SleepPlan(False, "CPU: vLLM's CPU build cannot sleep")
+        setting = self.run.rollout.free_cache_engine
+        if setting is not None:
+            return plan_sleep(setting)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return plan_sleep(None, free, self._update_bytes())
+
+    def _update_bytes(self) -> int:
+        """lorarl.memory's estimate for this run's largest micro-batch on one device."""
+        from transformers import AutoConfig
+
+        run, a, d = self.run, self.run.actor, self.run.data
+        dims = memory.ModelDims.of(
+            AutoConfig.from_pretrained(run.model.path, trust_remote_code=run.model.trust_remote_code)
+        )
+        seq = d.max_prompt_length + d.max_response_length
+        if a.use_dynamic_bsz:
+            tokens = max(a.ppo_max_token_len_per_gpu, seq)
+        else:
+            rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // self.dp_size)
+            tokens = min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
+        return memory.update_bytes(
+            dims,
+            tokens=tokens,
+            response_tokens=tokens * d.max_response_length // seq,
+            checkpointing=run.model.enable_gradient_checkpointing,
+            rank=run.model.lora.rank,
+            targets=list(run.model.lora.target_modules),
+            dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
+            model_parallel=backend_of(run).model_parallel_size(run.backend),
+        )
 
     # ---- rollout -------------------------------------------------------------------------
 
@@ -154,8 +198,11 @@ class Worker:
 
     # ---- sync ----------------------------------------------------------------------------
 
-    def sync(self) -> dict:
-        """Bring the rollout up to date with the trainer. Collective over all workers."""
+    def sync(self, probe: bool = True) -> dict:
+        """Bring the rollout up to date with the trainer. Collective over all workers.
+
+        With trainer.check_sync the fingerprint always runs, the probe when `probe` (and probe
+        sequences are set)."""
         r = self.run.rollout
         t_wake = 0.0
         if self._sleeps:
@@ -194,8 +241,10 @@ class Worker:
         if self._sleeps:
             out["timing/wake"] = t_wake
         out.update(checks)
-        if self.run.trainer.check_sync and self.probe_seqs is not None:
+        if self.run.trainer.check_sync and probe and self.probe_seqs is not None:
+            t0 = time.perf_counter()
             out.update(self.probe())
+            out["sync/probe_seconds"] = time.perf_counter() - t0
         return out
 
     def _apply(self, payload, gather_s: float) -> SyncStats:

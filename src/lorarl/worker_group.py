@@ -76,7 +76,9 @@ class WorkerGroup:
             for i in range(self.world_size)
         ]
         addr, port = self._get([self.workers[0].node_address.remote()])[0]
-        self.dp = self._get([w.setup.remote(addr, port) for w in self.workers])  # (dp_rank, dp_size) per worker
+        setups = self._get([w.setup.remote(addr, port) for w in self.workers])
+        self.dp = [(dp_rank, dp_size) for dp_rank, dp_size, _ in setups]  # per worker
+        self.sleep_plans = [plan for _, _, plan in setups]
         self.dp_size = self.dp[0][1]
 
     # ---- the step: three round trips --------------------------------------------------------
@@ -90,9 +92,10 @@ class WorkerGroup:
         """Worker.update(*args) (sleep, log-probs, PPO update) per replica; one result per replica."""
         return self._per_replica([w.update.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
 
-    def sync(self) -> list[dict]:
-        """Worker.sync on every worker (wake, payloads, checks); one result per worker."""
-        return self._get([w.sync.remote() for w in self.workers])
+    def sync(self, probe: bool = True) -> list[dict]:
+        """Worker.sync on every worker (wake, payloads, checks; the probe when `probe`); one
+        result per worker."""
+        return self._get([w.sync.remote(probe) for w in self.workers])
 
     # ---- checkpoints ------------------------------------------------------------------------
 

@@ -94,6 +94,7 @@ def make_run(
         "rollout.load_format=auto",
         f"rollout.layered_summon={str(not tiny and not merge).lower()}",
         f"rollout.enforce_eager={str(not cuda_graphs).lower()}",
+        "rollout.free_cache_engine=true",  # these steps measure sleep and wake
         f"actor.optim.lr={2e-3 if tiny else 1e-4}",
         f"actor.ppo_mini_batch_size={batch * dp}",
         f"actor.ppo_micro_batch_size_per_gpu={batch * n}",
@@ -167,7 +168,7 @@ def main() -> None:
     worker = Worker(run, rank, world, args.device)
     # Under torchrun every tcp:// rendezvous is a client of the launcher's store
     # (TORCHELASTIC_USE_AGENT_STORE), so the process group must meet at MASTER_PORT itself.
-    dp_rank, dp_size = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    dp_rank, dp_size, _ = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     setup_s = time.perf_counter() - t0
     phase(f"worker set up in {setup_s:.1f} s; first sync")
     first = worker.sync()

@@ -70,6 +70,7 @@ def test_7b_adapter_run_keeps_the_default_checks_for_20_steps(tmp_path):
         "rollout.gpu_memory_utilization=0.35",
         "rollout.enforce_eager=false",
         f"trainer.total_steps={STEPS_7B}",
+        "trainer.check_sync_probe_freq=1",  # the probe after every one of the 20 syncs
         "trainer.logger=[console,jsonl]",
         "trainer.progress_bar=false",
         f"hydra.run.dir={run}",

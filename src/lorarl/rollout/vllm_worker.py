@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint, peft_scaling
+from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint_sums, peft_scaling, resolve
 
 
 def vllm_worker(worker):
@@ -110,11 +110,15 @@ def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], c
     helper.validate_legal(manager.lora_config)
     model = adapters.model
     mapper = lora_name_mapper(getattr(model, "hf_to_vllm_mapper", None))
+    # Where the tensors already are: vLLM's own loader reads into host memory, but tensors
+    # handed over on the GPU are packed and scaled there and copied into the stacks device
+    # to device (vLLM pins host copies, which alone cost more than the whole GPU path).
+    devices = {t.device for t in tensors.values()}
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_id,
         tensors=tensors,
         peft_helper=helper,
-        device="cpu",
+        device=str(devices.pop()) if len(devices) == 1 else "cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
         weights_mapper=mapper,
@@ -173,7 +177,8 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
     index = index_to_id.index(lora_id)
     packed = getattr(adapters, "packed_modules", {})
     by_leaf = getattr(adapters, "packed_modules_mapping", {})
-    out = {}
+    found: list[tuple[str, tuple, tuple]] = []
+    sums = []
     for name, module in modules.items():
         stacks_a = getattr(module, "lora_a_stacked", None)
         stacks_b = getattr(module, "lora_b_stacked", None)
@@ -200,10 +205,10 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
                     "sync checks off)"
                 )
             slot_a, slot_b = a[index, 0], b[index, 0]
-            out[part] = LoraSlot(
-                part, tuple(slot_a.shape), tuple(slot_b.shape), fingerprint(slot_a), fingerprint(slot_b)
-            )
-    return out
+            found.append((part, tuple(slot_a.shape), tuple(slot_b.shape)))
+            sums += [fingerprint_sums(slot_a), fingerprint_sums(slot_b)]
+    fps = iter(resolve(sums))
+    return {part: LoraSlot(part, a_shape, b_shape, next(fps), next(fps)) for part, a_shape, b_shape in found}
 
 
 def model_dtype(worker):
@@ -217,11 +222,18 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
     Parameters vLLM no longer keeps readable (the CPU build repacks linear weights into its
     GEMM library's layout and leaves an empty tensor) come back as None."""
     model = vllm_worker(worker).model_runner.get_model()
-    out: dict[str, tuple] = {}
+    out: dict[str, tuple | None] = {}
+    readable: list[tuple[str, str]] = []
+    sums = []
     for name, param in model.named_parameters():
         name = name.replace(".base_layer.", ".")
         if name not in numels:
             continue
         flat = param.detach().reshape(-1)
-        out[name] = None if flat.numel() < numels[name] else (fingerprint(flat[: numels[name]]), str(param.dtype))
+        if flat.numel() < numels[name]:
+            out[name] = None
+            continue
+        readable.append((name, str(param.dtype)))
+        sums.append(fingerprint_sums(flat[: numels[name]]))
+    out.update({name: (fp, dtype) for (name, dtype), fp in zip(readable, resolve(sums))})
     return out

@@ -1,0 +1,113 @@
+"""Whether the rollout must sleep during the update: GPU memory the update needs vs what is free.
+
+vLLM's level-1 sleep copies the base to host RAM and back every step (0.77 s of a 9 s step at
+7B on one H200), and an adapter-only update never changes that base. So with
+`rollout.free_cache_engine=null` the engine stays awake whenever the update fits beside it,
+and sleeps only when it does not. The estimate is deliberately generous (what autograd keeps
+per token and layer in a Qwen2/Qwen3 decoder, the LM head's logits, the LoRA optimizer
+state) and a margin is added: a wrong "awake" is an out-of-memory error, a wrong "sleep" only
+costs the time it costs today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+MARGIN_FACTOR = 1.25  # allocator fragmentation and what the estimate leaves out
+MARGIN_BYTES = 2 * GIB  # CUDA/NCCL workspaces, the probe's forwards, the payload copies
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, hf_config) -> ModelDims:
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return cls(
+            hidden=hf_config.hidden_size,
+            intermediate=hf_config.intermediate_size,
+            layers=hf_config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=hf_config.vocab_size,
+        )
+
+
+def layer_activation_bytes(d: ModelDims, dtype_bytes: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer's backward (LoRA adds only rank-wide
+    intermediates; the frozen base keeps its inputs for the activation gradients)."""
+    h, q, kv, b = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, dtype_bytes
+    norms = 2 * (8 + b) * h  # two RMSNorms: float32 input and normalised copy, cast output
+    attention = b * (q + 2 * kv) + 2 * b * (q + kv) + 4 * b * q + b * q  # projections, rotary, SDPA, o_proj input
+    mlp = 4 * b * d.intermediate  # gate, up, SiLU(gate), the product fed to down_proj
+    return norms + attention + mlp
+
+
+def lora_numel(d: ModelDims, rank: int, targets: list[str]) -> int:
+    q, kv, h, inter = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden, d.intermediate
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+    return per_layer * d.layers if per_layer else rank * 7 * (h + inter) * d.layers  # unknown names: all seven
+
+
+def update_bytes(
+    d: ModelDims,
+    *,
+    tokens: int,
+    response_tokens: int,
+    checkpointing: bool,
+    rank: int,
+    targets: list[str],
+    dtype_bytes: int = 2,
+    model_parallel: int = 1,
+) -> int:
+    """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
+    `response_tokens` of them under the LM head), plus the LoRA weights, gradients and AdamW
+    state (float32: 16 bytes per parameter)."""
+    per_layer = layer_activation_bytes(d, dtype_bytes)
+    if checkpointing:  # each layer keeps its input; one layer is recomputed in full at a time
+        activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
+    else:
+        activations = tokens * d.layers * per_layer
+    logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
+    return (activations + logits) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
+
+
+@dataclass(frozen=True)
+class SleepPlan:
+    sleeps: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return f"rollout {'sleeps' if self.sleeps else 'stays awake'} during the update ({self.reason})"
+
+
+def plan_sleep(setting: bool | None, free_bytes: int = 0, need_bytes: int = 0) -> SleepPlan:
+    """`setting` is rollout.free_cache_engine: true / false decide; null decides by memory."""
+    if setting is not None:
+        return SleepPlan(setting, f"rollout.free_cache_engine={str(setting).lower()}")
+    want = MARGIN_FACTOR * need_bytes + MARGIN_BYTES
+    fits = free_bytes >= want
+    return SleepPlan(
+        not fits,
+        f"{free_bytes / GIB:.1f} GiB free beside the awake engine, the update needs ~{need_bytes / GIB:.1f} GiB "
+        f"({want / GIB:.1f} with margin); rollout.free_cache_engine=true/false overrides",
+    )

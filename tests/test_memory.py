@@ -1,0 +1,81 @@
+"""The update's memory estimate (lorarl.memory) against what autograd really keeps, and the
+sleep decision it drives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lorarl.memory import GIB, ModelDims, layer_activation_bytes, plan_sleep, update_bytes
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def saved_bytes(model, input_ids: torch.Tensor) -> int:
+    """Bytes of the distinct activations autograd saves for backward during one forward (the
+    weights it also saves are the model's own, not extra memory)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=input_ids, use_cache=False)
+        out.logits.float().sum().backward()
+    return sum(seen.values())
+
+
+def qwen2_lora(layers: int, dtype: torch.dtype):
+    cfg = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(dtype)
+    # LoRA in the compute dtype, as FSDP's mixed precision runs it (PEFT alone would keep it in
+    # float32 and save a float32 copy of every LoRA input).
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)
+    return cfg, get_peft_model(model, lora, autocast_adapter_dtype=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_estimate_bounds_what_autograd_keeps(dtype):
+    """A Qwen2 with PEFT LoRA on all seven projections: the estimate per token and layer is an
+    upper bound of the saved tensors, and not a loose one (within 2x)."""
+    ids = torch.randint(0, 512, (4, 64))
+    cfg, four = qwen2_lora(4, dtype)
+    _, two = qwen2_lora(2, dtype)
+    measured = (saved_bytes(four, ids) - saved_bytes(two, ids)) / 2 / ids.numel()  # one layer, per token
+    estimate = layer_activation_bytes(ModelDims.of(cfg), dtype_bytes=torch.finfo(dtype).bits // 8)
+    assert measured <= estimate <= 2 * measured, (measured, estimate)
+
+
+def test_checkpointing_and_model_parallelism_shrink_the_estimate():
+    dims = ModelDims(3584, 18944, 28, 28, 4, 128, 152064)  # Qwen2.5-7B
+    kw = dict(tokens=4096, response_tokens=3000, rank=64, targets=TARGETS)
+    full = update_bytes(dims, checkpointing=False, **kw)
+    assert 25 * GIB < full < 45 * GIB  # ~8 MB per token over 28 layers, plus logits and AdamW state
+    assert update_bytes(dims, checkpointing=True, **kw) < full / 4
+    assert update_bytes(dims, checkpointing=False, model_parallel=2, **kw) == pytest.approx(full / 2, rel=0.01)
+
+
+def test_sleep_plan():
+    assert plan_sleep(True).sleeps and not plan_sleep(False).sleeps
+    assert "rollout.free_cache_engine=false" in str(plan_sleep(False))
+    awake = plan_sleep(None, free_bytes=80 * GIB, need_bytes=40 * GIB)
+    assert not awake.sleeps and "stays awake" in str(awake) and "80.0 GiB free" in str(awake)
+    # The margin: 60 GiB needed is 77 GiB with it, so 70 free is not enough.
+    assert plan_sleep(None, free_bytes=70 * GIB, need_bytes=60 * GIB).sleeps
