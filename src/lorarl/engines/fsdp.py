@@ -247,7 +247,10 @@ class FSDPEngine:
         self, kind: PayloadKind, method: str = "bucketed", dtype: torch.dtype | None = None
     ) -> tuple[WeightPayload, float]:
         """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call).
-        Adapter tensors are cast to `dtype` (the rollout's) before they leave the device."""
+        Adapter tensors are cast to `dtype` (the rollout's) and stay on the training device: an
+        in-process rollout on the same GPU takes them device to device (a host round trip of
+        0.3 GB at 7B cost more than the rest of the sync); consumers that need host memory
+        (a PEFT folder, a checkpoint) copy them there."""
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
             gather = {
@@ -265,7 +268,7 @@ class FSDPEngine:
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 full = p.full_tensor() if isinstance(p, DTensor) else p
-                out[peft_name(name)] = full.detach().to("cpu", dtype=dtype, copy=True)
+                out[peft_name(name)] = full.detach().to(dtype=dtype, copy=True)
         return out
 
     def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -279,7 +282,7 @@ class FSDPEngine:
                 # Unsharded params are swapped in only while unsharded: read them now.
                 for n, p in _own_params(unit):
                     if "lora_" in n:
-                        out[peft_name(prefix + n)] = p.detach().to("cpu", dtype=dtype, copy=True)
+                        out[peft_name(prefix + n)] = p.detach().to(self.device, dtype=dtype, copy=True)
                 unit.reshard()
         return out
 
@@ -300,7 +303,9 @@ class FSDPEngine:
             padded[: local.shape[0]] = local
             pieces.append(padded.reshape(-1).float())
             layout.append((name, tuple(p.shape), chunk))
-        flat = torch.cat(pieces)
+        # On the compute device: with CPU offload the shards live in host memory, and NCCL
+        # gathers device tensors only.
+        flat = torch.cat(pieces).to(self.device)
         gathered = torch.empty(self.world * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_into_tensor(gathered, flat)
         gathered = gathered.view(self.world, -1)
@@ -308,11 +313,11 @@ class FSDPEngine:
         for name, shape, chunk in layout:
             cols = int(math.prod(shape[1:]))
             width = chunk * cols
-            # Un-pad and reshape where the gather landed, then one copy per tensor to the
-            # host: reassembling the strided blocks on the CPU made this 6x slower than the
-            # layered gather on 2 x H200 at 7B (bench/results/gpu_2026-11-30).
+            # Un-pad and reshape where the gather landed: reassembling the strided blocks on the
+            # CPU made this 6x slower than the layered gather on 2 x H200 at 7B
+            # (bench/results/gpu_2026-11-30).
             block = gathered[:, offset : offset + width].reshape(self.world * chunk, cols)[: shape[0]]
-            out[peft_name(name)] = block.reshape(shape).to("cpu", dtype=dtype, copy=True)
+            out[peft_name(name)] = block.reshape(shape).to(dtype=dtype, copy=True)
             offset += width
         return out
 
@@ -349,8 +354,8 @@ class FSDPEngine:
     # ---- checkpoint ------------------------------------------------------------------------
 
     def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full LoRA tensors under PEFT names (collective)."""
-        return self._adapter_bucketed()
+        """Full LoRA tensors under PEFT names, in host memory (collective)."""
+        return {name: t.cpu() for name, t in self._adapter_bucketed().items()}
 
     def optimizer_state(self) -> dict:
         """Full (unsharded) optimizer state keyed by parameter name (collective)."""
