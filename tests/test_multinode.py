@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ def cluster(run_cache):
     finally:
         c.shutdown()
         mp.undo()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def node_ids(c) -> set[str]:
