@@ -297,7 +297,16 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["actor.kl_loss_type=k9"], "actor.kl_loss_type"),
         (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
         (["trainer.n_gpus_per_node=3"], "divide"),
-        (["rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"], "rollout.tensor_model_parallel_size"),
+        (
+            ["rollout.tensor_model_parallel_size=2"],
+            "rollout.tensor_model_parallel_size=2 must divide trainer.n_gpus_per_node=1",
+        ),
+        # Two workers, but on two nodes: one engine cannot span them.
+        (
+            ["rollout.tensor_model_parallel_size=2", "trainer.nnodes=2", "actor.ppo_micro_batch_size_per_gpu=8"],
+            "one node",
+        ),
+        (["rollout.tensor_model_parallel_size=0"], "rollout.tensor_model_parallel_size=0 must be >= 1"),
         (["trainer.logger=[console,mlflow]"], "trainer.logger"),
         (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward"),
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
@@ -310,6 +319,21 @@ def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
         to_run_config(hydra_compose(["+backend=fsdp", *overrides]))
     msg = str(err.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_rollout_tensor_parallel_groups_of_one_node(hydra_compose):
+    run = to_run_config(
+        hydra_compose(
+            [
+                "+backend=fsdp",
+                "rollout.tensor_model_parallel_size=2",
+                "trainer.nnodes=2",
+                "trainer.n_gpus_per_node=4",
+                "actor.ppo_micro_batch_size_per_gpu=4",
+            ]
+        )
+    )
+    assert run.rollout.tensor_model_parallel_size == 2 and run.world_size == 8
 
 
 def test_megatron_checks(hydra_compose):

@@ -521,10 +521,13 @@ def validate(run: RunConfig) -> None:
         f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / {'replicas' if mp > 1 else 'devices'})",
     )
     tp = r.tensor_model_parallel_size
+    # T consecutive workers of one node share a vLLM engine, each holding a shard of it; an
+    # engine never spans nodes (its all-reduces run every layer of every decoded token).
+    _check(tp >= 1, f"rollout.tensor_model_parallel_size={tp} must be >= 1")
     _check(
-        tp == 1,
-        f"rollout.tensor_model_parallel_size={tp}: each device runs its own vLLM replica, so only 1 is supported; "
-        "spread prompts over devices with trainer.n_gpus_per_node instead",
+        t.n_gpus_per_node % tp == 0,
+        f"rollout.tensor_model_parallel_size={tp} must divide trainer.n_gpus_per_node={t.n_gpus_per_node}: "
+        "the workers of one vLLM engine sit on one node",
     )
     if megatron:
         b = run.backend

@@ -136,13 +136,20 @@ class AdapterLayout:
 
 
 def expected_adapter_slots(
-    tensors: Iterable[tuple[str, Tensor]], adapter_config: dict, layout: AdapterLayout, slots: Mapping[str, LoraSlot]
+    tensors: Iterable[tuple[str, Tensor]],
+    adapter_config: dict,
+    layout: AdapterLayout,
+    slots: Mapping[str, LoraSlot],
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> dict[str, tuple[Fingerprint, Fingerprint]]:
     """Per vLLM module: the fingerprints its slot must hold after loading this adapter.
 
     vLLM casts A and B to its LoRA dtype, then multiplies B in that dtype by the module's
     scaling (alpha / r, or PEFT's patterns); B is stored in an (out, max_lora_rank) slot, so a
-    B of lower rank is padded to it. Modules the adapter does not name must hold zeros.
+    B of lower rank is padded to it. Modules the adapter does not name must hold zeros. With
+    tensor parallelism each rank holds its slice: B's rows of a column-parallel module (each of
+    q/k/v on its own), A's columns of a row-parallel one; the slot's shape says which.
     """
     pairs: dict[str, dict[str, Tensor]] = {}
     peft_module: dict[str, str] = {}
@@ -159,8 +166,8 @@ def expected_adapter_slots(
                 f"{', '.join(sorted(slots)[:3])}); the rollout cannot serve it"
             )
         slot = slots[module]
-        a = ab["A"].detach().to(layout.lora_dtype)
-        b = ab["B"].detach().to(layout.lora_dtype)
+        a = _tp_shard(ab["A"].detach(), 1, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
+        b = _tp_shard(ab["B"].detach(), 0, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
         scaling = layout.scaling_of(adapter_config, peft_module[module])
         if scaling != 1:
             b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
@@ -170,6 +177,20 @@ def expected_adapter_slots(
     resolved = iter(resolve([s for pair in pending.values() for s in pair]))
     out.update({module: (next(resolved), next(resolved)) for module in pending})
     return out
+
+
+def _tp_shard(t: Tensor, dim: int, size: int, tp_rank: int, tp_size: int) -> Tensor:
+    """The `size`-long slice along `dim` that tensor-parallel rank `tp_rank` holds, as vLLM's
+    LoRA layers slice it: the full tensor when it is not split, and shards shared by several
+    ranks when there are fewer than tp_size of them (key/value heads replicated over ranks)."""
+    if t.shape[dim] <= size:
+        return t
+    shards = t.shape[dim] // size
+    if t.shape[dim] % size or tp_size % shards:
+        raise SyncError(
+            f"cannot tell the tensor-parallel slice of a {tuple(t.shape)} LoRA tensor held as {size} along dim {dim}"
+        )
+    return t.narrow(dim, (tp_rank * shards // tp_size) * size, size)
 
 
 _PEFT_MODULE = re.compile(r"^base_model\.model\.|\.lora_[AB]\.weight$")
@@ -321,7 +342,9 @@ def verify_adapter(rollout, payload, rank: int | None = None) -> float:
     """The exact check after an adapter sync: 1.0, or a SyncError naming the first module that
     differs. `rollout` is a lorarl VLLMRollout, `payload` the adapter WeightPayload it was sent."""
     held = rollout.held_adapter_slots()
-    expected = expected_adapter_slots(payload.tensors, payload.adapter_config, rollout.adapter_layout(), held)
+    expected = expected_adapter_slots(
+        payload.tensors, payload.adapter_config, rollout.adapter_layout(), held, rollout.tp_rank, rollout.tp_size
+    )
     return check_adapter_slots(expected, held, rank)
 
 

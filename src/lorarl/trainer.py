@@ -147,7 +147,7 @@ class GRPOTrainer:
     def fit(self) -> float | None:
         from tqdm.auto import tqdm
 
-        from lorarl.worker_group import WorkerGroup
+        from lorarl.worker_group import WorkerGroup, describe_placement
 
         t = self.run.trainer
         say = console(tqdm.write)
@@ -155,6 +155,10 @@ class GRPOTrainer:
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
         self.group = WorkerGroup(self.run, self.device)
+        # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
+        say(f"workers: {describe_placement(self.group.placement)}")
+        node_ids = [where["node_id"] for where in self.group.placement]
+        placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
         for plan in dict.fromkeys(self.group.sleep_plans):
             say(plan)
         if self.resume_from is not None:
@@ -162,7 +166,7 @@ class GRPOTrainer:
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.group.sync()[0]
-        self.tracker.log({f"init/{k}": v for k, v in first_sync.items()}, step=0)
+        self.tracker.log({**placement, **{f"init/{k}": v for k, v in first_sync.items()}}, step=0)
         say(
             f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
             f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
@@ -244,10 +248,16 @@ class GRPOTrainer:
         groups, gen_rounds, t_gen = self.rollout_groups()
         rewards = [x for g in groups for x in g.rewards]
         lengths = [len(s) for g in groups for s in g.samples]
-        # Fixed probe sequences (each replica's first prompts with their first samples), kept for
+        # Fixed probe sequences (each engine's first prompts with their first samples), kept for
         # every later sync; armed on the first step this process runs, so a resumed run checks too.
+        # Per vLLM engine, not per training replica: the tensor-parallel ranks of one engine must
+        # send it the same requests (their all-reduces would mix two different sequences).
         arm_probe = self.run.trainer.check_sync and not self.probe_armed
-        self.probe_armed = self.probe_armed or arm_probe
+        if arm_probe:
+            self.group.set_probes(
+                [[g.item.prompt_ids + g.samples[0] for g in shard] for shard in _split(groups, self.group.rollout_size)]
+            )
+            self.probe_armed = True
 
         # Group-normalised advantages; groups split contiguously over data-parallel replicas.
         per_replica = []
@@ -260,8 +270,7 @@ class GRPOTrainer:
             adv = algorithms.grpo_advantages(
                 torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
-            probe = [g.item.prompt_ids + g.samples[0] for g in shard] if arm_probe else None
-            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, probe, logprobs))
+            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, None, logprobs))
 
         # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
         t0 = time.perf_counter()
@@ -319,9 +328,9 @@ class GRPOTrainer:
         return (kept + flat)[:size], rounds, seconds
 
     def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[Group], float]:
-        """rollout.n samples of each prompt from vLLM (prompts split over replicas), scored."""
+        """rollout.n samples of each prompt from vLLM (prompts split over its engines), scored."""
         r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
-        shards = _split(prompts, self.group.dp_size)
+        shards = _split(prompts, self.group.rollout_size)
         seed = self.run.trainer.seed
         gen = self.group.generate(
             [
@@ -365,7 +374,7 @@ class GRPOTrainer:
 
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0
-        shards = _split(self.val_items, self.group.dp_size)
+        shards = _split(self.val_items, self.group.rollout_size)
         t0 = time.perf_counter()
         gen = self.group.generate(
             [

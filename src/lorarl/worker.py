@@ -47,19 +47,45 @@ class Worker:
         self.sleep_plan = SleepPlan(False, "not set up")
 
     # Ray calls these on every worker before anything else.
-    def node_address(self) -> tuple[str, int]:
-        import socket
-
+    def location(self) -> dict:
+        """Where Ray placed this worker: node id and IP, process id, and its GPUs (empty on CPU)."""
         import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+        }
+
+    def free_port(self) -> int:
+        """A TCP port free on this worker's node, for the process group's rendezvous (rank 0)."""
+        import socket
 
         with socket.socket() as s:
             s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+            return s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> tuple[int, int]:
         """Process group, rollout, then engine. Returns (dp_rank, dp_size) of this worker."""
         from lorarl.rollout.vllm import VLLMRollout
+
+        tp = self.run.rollout.tensor_model_parallel_size
+        if tp > 1:
+            # Consecutive ranks share one vLLM engine, each holding its tensor-parallel shard
+            # (vLLM's external_launcher: one engine per process, the ranks found in the
+            # torchrun variables and the process group made below). Each process sees its own
+            # device only (Ray sets CUDA_VISIBLE_DEVICES per worker), so its local rank is 0 on
+            # GPU; on CPU the rank within the node picks the cores vLLM binds its threads to.
+            local = 0 if self.device.type == "cuda" else self.rank % self.run.trainer.n_gpus_per_node
+            os.environ.update(
+                RANK=str(self.rank),
+                LOCAL_RANK=str(local),
+                WORLD_SIZE=str(self.world_size),
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+            )
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
@@ -74,7 +100,8 @@ class Worker:
             m.path,
             lora_rank=None if m.lora.merge else m.lora.rank,
             max_model_len=r.max_model_len or (self.run.data.max_prompt_length + self.run.data.max_response_length),
-            seed=self.run.trainer.seed + self.rank,
+            # The ranks of one engine sample in lockstep, so they share its seed.
+            seed=self.run.trainer.seed + self.rollout_rank,
             dtype=r.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_model_parallel_size,
@@ -91,6 +118,11 @@ class Worker:
         if self._sleeps:
             self.rollout.sleep()
         return self.dp_rank, self.dp_size, str(self.sleep_plan)
+
+    @property
+    def rollout_rank(self) -> int:
+        """Which vLLM engine this worker holds a shard of; the workers of one engine get the same prompts."""
+        return self.rank // self.run.rollout.tensor_model_parallel_size
 
     @property
     def dp_rank(self) -> int:

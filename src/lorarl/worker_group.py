@@ -11,11 +11,50 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from lorarl.config import RunConfig
-from lorarl.errors import LorarlError, TrainingError
+from lorarl.errors import ConfigError, LorarlError, TrainingError
 from lorarl.worker import Worker, worker_env
+
+# How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
+# this driver joined (nodes of a job may register after the driver starts).
+PLACEMENT_GRACE_S = 120.0
+
+
+def _bundle_cpus(pg) -> dict[int, float]:
+    """Per bundle of a ready placement group, the CPUs its node declares to Ray."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    cpus = {node["NodeID"]: node["Resources"].get("CPU", 1.0) for node in ray.nodes()}
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    return {int(i): cpus.get(node_id, 1.0) for i, node_id in where.items()}
+
+
+def _nodes_that_fit(bundle: dict) -> int:
+    """Alive nodes whose total resources could hold `bundle` (whatever runs on them now)."""
+    import ray
+
+    return sum(
+        all(node["Resources"].get(k, 0.0) >= v for k, v in bundle.items()) for node in ray.nodes() if node["Alive"]
+    )
+
+
+def describe_placement(placement: list[dict]) -> str:
+    """One line: which ranks run on which node (ip and the start of Ray's node id)."""
+    nodes: dict[str, list[int]] = {}
+    for rank, where in enumerate(placement):
+        nodes.setdefault(where["node_id"], []).append(rank)
+    ip = {where["node_id"]: where["ip"] for where in placement}
+    parts = [
+        f"{ip[n]} (node {n[:8]}): rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}" for n, r in nodes.items()
+    ]
+    return (
+        f"{len(placement)} worker{'s' if len(placement) > 1 else ''} on {len(nodes)} node{'s' if len(nodes) > 1 else ''}: "
+        + "; ".join(parts)
+    )
 
 
 class WorkerGroup:
@@ -31,14 +70,18 @@ class WorkerGroup:
         # an orderly shutdown through this class) is put back.
         sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if started_ray:
-            env = {"env_vars": worker_env()}
             if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
+                # An existing cluster (ray start, KubeRay): connect only; shutdown disconnects
+                # this driver and leaves the cluster running.
+                ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=True)
             else:
+                # "local": always a private instance. Without it ray.init joins whatever cluster
+                # /tmp/ray/ray_current_cluster names (the last `ray start` on this machine), and
+                # then fails on num_cpus; joining a cluster is asked for with RAY_ADDRESS.
                 ray.init(
+                    address="local",
                     num_cpus=max(os.cpu_count() or 1, self.world_size),
                     include_dashboard=False,
-                    runtime_env=env,
                     logging_level="ERROR",
                     configure_logging=True,
                     log_to_driver=True,
@@ -46,6 +89,8 @@ class WorkerGroup:
         if callable(sigterm):
             signal.signal(signal.SIGTERM, sigterm)
         self._owns_ray = started_ray
+        self._owns_local_ray = started_ray and not os.environ.get("RAY_ADDRESS")
+        self.placement: list[dict] = []
         try:
             self._start(run, device)
         except BaseException:
@@ -56,41 +101,83 @@ class WorkerGroup:
 
     def _start(self, run: RunConfig, device: str) -> None:
         import ray
-
-        per_worker_threads = max(1, (os.cpu_count() or 1) // self.world_size) if device == "cpu" else None
-        resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
-        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        ray.get(self.pg.ready())
+        t = run.trainer
+        per_node = t.n_gpus_per_node
+        resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
+        # One bundle per node holding all of that node's workers, and STRICT_SPREAD over nodes:
+        # exactly n_gpus_per_node workers on each of nnodes distinct nodes. One bundle per device
+        # with PACK or SPREAD would let Ray put 3 workers on one node and 1 on another, and ranks
+        # of one node would not be consecutive (NCCL's intra-node rings and tensor-parallel groups
+        # want them consecutive).
+        bundle = {"GPU": per_node, "CPU": per_node} if device == "cuda" else {"CPU": per_node}
+        self.pg = placement_group([bundle] * t.nnodes, strategy="STRICT_SPREAD" if t.nnodes > 1 else "STRICT_PACK")
+        self._wait_for_placement(t.nnodes, per_node, bundle)
+        # On CPU the workers of a node share its cores: torch threads per worker from the CPUs
+        # that node declares (nodes of a cluster may differ from the driver's).
+        cpus = _bundle_cpus(self.pg) if device == "cpu" else {}
+        threads = [max(1, int(cpus[i // per_node]) // per_node) if cpus else None for i in range(self.world_size)]
         actor_cls = ray.remote(Worker)
         self.workers = [
             actor_cls.options(
                 **resources,
+                # Per actor, so it holds also when the caller connected to Ray (a Hydra launcher
+                # task, a notebook) and no job-level runtime_env was set.
+                runtime_env={"env_vars": worker_env()},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i
+                    placement_group=self.pg, placement_group_bundle_index=i // per_node
                 ),
-            ).remote(run, i, self.world_size, device, per_worker_threads)
+            ).remote(run, i, self.world_size, device, threads[i])
             for i in range(self.world_size)
         ]
-        addr, port = self._get([self.workers[0].node_address.remote()])[0]
+        self.placement = self._get([w.location.remote() for w in self.workers])
+        addr, port = self.placement[0]["ip"], self._get([self.workers[0].free_port.remote()])[0]
         setups = self._get([w.setup.remote(addr, port) for w in self.workers])
         self.dp = [(dp_rank, dp_size) for dp_rank, dp_size, _ in setups]  # per worker
         self.sleep_plans = [plan for _, _, plan in setups]
         self.dp_size = self.dp[0][1]
+        # Rollout replicas are vLLM engines: T consecutive workers share one with tensor
+        # parallelism T, get the same prompts and seed, and return the same samples.
+        tp = run.rollout.tensor_model_parallel_size
+        self.rollout_replica = [i // tp for i in range(self.world_size)]
+        self.rollout_size = self.world_size // tp
+
+    def _wait_for_placement(self, nnodes: int, per_node: int, bundle: dict) -> None:
+        """Wait until Ray reserved the bundles. A cluster that is busy is waited for; one whose
+        alive nodes could never hold them fails in one line (after PLACEMENT_GRACE_S on a cluster
+        this driver joined, where nodes may still be starting, e.g. the workers of an sbatch job)."""
+        import ray
+
+        deadline = time.monotonic() + (0 if self._owns_local_ray else PLACEMENT_GRACE_S)
+        while not ray.wait([self.pg.ready()], timeout=5)[0]:
+            fitting = _nodes_that_fit(bundle)
+            if fitting >= nnodes:
+                deadline = time.monotonic() + PLACEMENT_GRACE_S  # feasible: busy, keep waiting
+            elif time.monotonic() >= deadline:
+                need = ", ".join(f"{v} {k}" for k, v in bundle.items())
+                raise ConfigError(
+                    f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node}: "
+                    f"the Ray cluster has {fitting} alive node(s) with {need} each, {nnodes} are needed; "
+                    "lower trainer.nnodes / trainer.n_gpus_per_node or add nodes"
+                )
 
     # ---- the step: three round trips --------------------------------------------------------
 
-    def generate(self, per_replica: list[tuple]) -> list[tuple[list[list[list[int]]], float]]:
-        """Worker.generate(*args) with one argument tuple per data-parallel replica; one result
-        per replica."""
-        return self._per_replica([w.generate.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+    def generate(self, per_engine: list[tuple]) -> list[tuple[list[list[list[int]]], float]]:
+        """Worker.generate(*args) with one argument tuple per rollout engine (rollout_size of
+        them); one result per engine, from its first worker."""
+        refs = [w.generate.remote(*per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
+        return self._first_of(self.rollout_replica, refs)
 
     def update(self, per_replica: list[tuple]) -> list[dict]:
         """Worker.update(*args) (sleep, log-probs, PPO update) per replica; one result per replica."""
         return self._per_replica([w.update.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+
+    def set_probes(self, per_engine: list[list[list[int]]]) -> None:
+        """The parity probe's sequences, one list per rollout engine (its workers share them)."""
+        self._get([w.set_probe.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)])
 
     def sync(self, probe: bool = True) -> list[dict]:
         """Worker.sync on every worker (wake, payloads, checks; the probe when `probe`); one
@@ -110,11 +197,14 @@ class WorkerGroup:
 
     def _per_replica(self, refs: list) -> list:
         """Every worker's result awaited (collectives stay in lockstep); the first worker's of
-        each replica returned, in replica order."""
+        each data-parallel replica returned, in replica order."""
+        return self._first_of([dp_rank for dp_rank, _ in self.dp], refs)
+
+    def _first_of(self, groups: list[int], refs: list) -> list:
         first = {}
-        for (dp_rank, _), result in zip(self.dp, self._get(refs)):
-            first.setdefault(dp_rank, result)
-        return [first[i] for i in range(self.dp_size)]
+        for group, result in zip(groups, self._get(refs)):
+            first.setdefault(group, result)
+        return [first[i] for i in range(len(first))]
 
     def _get(self, refs: list) -> list[Any]:
         """Results of one call per worker (refs[i] is worker i's). The first failure ends the call:

@@ -90,6 +90,26 @@ def release_distributed() -> None:
     destroy_distributed_environment()
 
 
+def unlink_cpu_shm() -> None:
+    """Remove the /dev/shm names of vLLM's CPU tensor-parallel shared memory once every rank of
+    the group has mapped it.
+
+    vLLM's CPU communicator names its segments after the group only (with the external launcher
+    every run gets the same name) and leaves them behind, even on a clean shutdown: the next run
+    then failed with "create shm in SHMManager failed. errno: 17". The mappings stay valid after
+    the names are gone (POSIX shm), and the memory is freed with the last process."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+    if name is None or group.world_size == 1:
+        return
+    dist.barrier(group=group.cpu_group)  # every rank has joined every segment of the group
+    # shm_open names may start with "/" (here "//-tp:0-[0-1]-cpushm"); the file drops them.
+    (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
+
+
 class process_state_kept:
     """Undo what building an in-process vLLM engine does to the host process.
 

@@ -110,6 +110,8 @@ class VLLMRollout:
 
         kwargs: dict = dict(
             model=str(model_path),
+            # Tensor parallel engines are one per process over the caller's process group.
+            distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
             dtype=self.dtype,
             seed=seed,
             max_model_len=max_model_len,
@@ -139,6 +141,14 @@ class VLLMRollout:
         if self.lora_enabled and adapter_transport == "tmpfs":
             self._adapter_dir = engine_process.make_adapter_dir()
         self._release = engine_process.adopt_engine(self, self._llm, self._adapter_dir)
+        # This process's shard of the engine (0 of 1 without tensor parallelism): sync checks
+        # compare the part of each tensor that vLLM sliced out for it.
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.tp_size = tensor_parallel_size
+        self.tp_rank = get_tensor_model_parallel_rank() if tensor_parallel_size > 1 else 0
+        if self._is_cpu and tensor_parallel_size > 1:
+            engine_process.unlink_cpu_shm()
 
     def _engine_dtype(self, model_path: str | os.PathLike, dtype: str) -> str:
         resolved = _resolve_dtype(model_path, dtype)
