@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.test_grpo_gpu import GPU_CASES, check_result
+from tests.gpu.test_sync_checks_gpu import check_7b_summary
 
 RUN = Path(__file__).parent / "gpu_logs" / "grpo_loop" / "run3_2026-11-30T1008"
 CASES = sorted(RUN.glob("grpo_*.json"))
@@ -31,3 +32,12 @@ def test_the_committed_run_covers_every_gpu_case():
 def test_committed_gpu_run_passes_the_gpu_checks(path):
     result = json.loads(path.read_text())
     check_result(result, result["model"], result["merge"])
+
+
+def test_committed_7b_sync_check_run_passes_its_gpu_checks():
+    """tests/gpu/test_sync_checks_gpu.py's 20-step 7B run (one H200, bf16, the probe after every
+    sync): every fingerprint matched and no probe reading crossed the bound."""
+    summary = json.loads(
+        (Path(__file__).parent / "gpu_logs" / "sync_checks" / "grpo_7b_adapter_graphs_20steps.json").read_text()
+    )
+    check_7b_summary(summary)

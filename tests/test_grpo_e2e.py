@@ -65,6 +65,10 @@ def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(r["sync/kind"] == "adapter" and r["sync/num_adapters"] == 1 for r in rows)
+    # The exact fingerprint after every sync; the probe on the first step, every 10th and the last.
+    assert all(r["sync/adapter_match"] == 1.0 for r in rows)
+    assert [r["step"] for r in rows if "sync/logprob_diff_max" in r] == [1, 10, 20, 30, 40]
+    assert all("sync/probe_seconds" in r for r in rows if "sync/logprob_diff_max" in r)
     for key in (
         "reward/std",
         "response_length/mean",
@@ -147,6 +151,7 @@ def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=2",
         "trainer.check_sync=true",
+        "trainer.check_sync_probe_freq=1",
         "rollout.load_format=dummy",
     )
     assert out.returncode == 0, out.stderr[-5000:]

@@ -36,6 +36,7 @@ def test_qwen3_tiny_reward_rises_with_exact_parity(cache, tmp_path):
         "trainer.device=cpu",
         "trainer.val_before_train=true",
         "trainer.test_freq=40",
+        "trainer.check_sync_probe_freq=1",
     )
     assert out.returncode == 0, out.stderr[-5000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -50,7 +50,6 @@ def need_gpu() -> None:
 def test_7b_adapter_run_keeps_the_default_checks_for_20_steps(tmp_path):
     need_gpu()
     from bench.common import shaped_model
-    from lorarl.sync_checks import HALF_BOUNDS
 
     model = shaped_model(cache_dir(), "qwen2.5-7b", device="cuda")
     run = tmp_path / "run7b"
@@ -75,7 +74,12 @@ def test_7b_adapter_run_keeps_the_default_checks_for_20_steps(tmp_path):
         "trainer.progress_bar=false",
         f"hydra.run.dir={run}",
     ]
-    env = {**os.environ, "LORARL_CACHE": str(cache_dir()), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    # The project first, then what the shell had (vLLM, Ray and Hydra may live in a --target folder).
+    env = {
+        **os.environ,
+        "LORARL_CACHE": str(cache_dir()),
+        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+    }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     out = log_dir()
     (out / "grpo_7b_adapter_graphs_20steps.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -86,9 +90,20 @@ def test_7b_adapter_run_keeps_the_default_checks_for_20_steps(tmp_path):
     keys += ("sync/logprob_diff_mean", "sync/logprob_ref_diff_mean", "sync/seconds", "timing/step")
     summary = [{k: s.get(k) for k in keys} for s in steps]
     (out / "grpo_7b_adapter_graphs_20steps.json").write_text(json.dumps(summary, indent=1))
-    assert len(steps) == STEPS_7B
-    assert all(s["sync/adapter_match"] == 1.0 for s in steps)
-    assert max(s["sync/logprob_diff_max"] for s in steps) <= HALF_BOUNDS.max
+    check_7b_summary(summary)
+
+
+def check_7b_summary(summary: list[dict]) -> None:
+    """What the 20-step 7B run must show (also applied in CI to the committed log's JSON): the
+    fingerprint matched after every sync and the probe, run after every sync, stayed under the
+    16-bit bound."""
+    from lorarl.sync_checks import HALF_BOUNDS
+
+    assert [s["step"] for s in summary] == list(range(1, STEPS_7B + 1))
+    assert all(s["sync/adapter_match"] == 1.0 for s in summary)
+    assert all(s["sync/logprob_diff_max"] is not None for s in summary)
+    assert max(s["sync/logprob_diff_max"] for s in summary) <= HALF_BOUNDS.max
+    assert max(s["sync/logprob_diff_mean"] for s in summary) <= HALF_BOUNDS.mean
 
 
 @pytest.fixture(scope="module")
