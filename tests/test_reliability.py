@@ -553,10 +553,13 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'global_step_{newest - 1}'} at step {newest - 1}" in again.stdout
     assert steps_on_disk(run / "checkpoints") == list(range(1, newest + 2))
-    # Both sync checks run in the resumed process too (the probe is armed on its first step).
+    # Both sync checks run in the resumed process too: the probe is armed on its first step (and
+    # runs on its last), whatever trainer.check_sync_probe_freq says about the steps between.
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    after = [r for r in rows if r.get("step", 0) >= newest]
-    assert after and all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
+    resumed = max(i for i, r in enumerate(rows) if "init/sync/kind" in r)  # the relaunch's first sync
+    after = [r for r in rows[resumed + 1 :] if "reward/mean" in r]
+    assert [r["step"] for r in after] == [newest, newest + 1], after
+    assert all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
 
 
 @pytest.mark.slow
