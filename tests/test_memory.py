@@ -79,3 +79,18 @@ def test_sleep_plan():
     assert not awake.sleeps and "stays awake" in str(awake) and "80.0 GiB free" in str(awake)
     # The margin: 60 GiB needed is 77 GiB with it, so 70 free is not enough.
     assert plan_sleep(None, free_bytes=70 * GIB, need_bytes=60 * GIB).sleeps
+
+
+@pytest.mark.parametrize(
+    "shape,preset,gib", [("qwen2.5-7b", "qwen2_5_7b_instruct", 35.1), ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct", 54.1)]
+)
+def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
+    """The estimate for the presets on the benchmark's work (bench/results/gpu_step_2026-12-01:
+    'the update needs ~35.1 GiB' at 7B, ~54.1 at 0.5B, both then run awake without running out)."""
+    from bench.common import SHAPES
+    from lorarl.config import compose
+    from lorarl.memory import run_update_bytes
+
+    run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
+    dims = ModelDims.of(Qwen2Config(**SHAPES[shape]))
+    assert run_update_bytes(run, dims, dp_size=1, model_parallel=1) / GIB == pytest.approx(gib, abs=0.05)

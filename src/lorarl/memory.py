@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 GIB = 1 << 30
 MARGIN_FACTOR = 1.25  # allocator fragmentation and what the estimate leaves out
 MARGIN_BYTES = 2 * GIB  # CUDA/NCCL workspaces, the probe's forwards, the payload copies
@@ -89,6 +91,28 @@ def update_bytes(
         activations = tokens * d.layers * per_layer
     logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
     return (activations + logits) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
+
+
+def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) -> int:
+    """`update_bytes` for a run's largest micro-batch on one device (`run` a RunConfig): the token
+    budget, or the micro-batch's rows at the longest prompt + response the data allows."""
+    a, d = run.actor, run.data
+    seq = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz:
+        tokens = max(a.ppo_max_token_len_per_gpu, seq)
+    else:
+        rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // dp_size)
+        tokens = min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
+    return update_bytes(
+        dims,
+        tokens=tokens,
+        response_tokens=tokens * d.max_response_length // seq,
+        checkpointing=run.model.enable_gradient_checkpointing,
+        rank=run.model.lora.rank,
+        targets=list(run.model.lora.target_modules),
+        dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
+        model_parallel=model_parallel,
+    )
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,9 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> tuple[int, int]:
-        """Process group, rollout, then engine. Returns (dp_rank, dp_size) of this worker."""
+    def setup(self, master_addr: str, master_port: int) -> tuple[int, int, str]:
+        """Process group, rollout, then engine. Returns this worker's (dp_rank, dp_size) and
+        whether its rollout sleeps during the update, as a line for the log."""
         from lorarl.rollout.vllm import VLLMRollout
 
         tp = self.run.rollout.tensor_model_parallel_size
@@ -154,28 +155,15 @@ class Worker:
         return plan_sleep(None, free, self._update_bytes())
 
     def _update_bytes(self) -> int:
-        """lorarl.memory's estimate for this run's largest micro-batch on one device."""
         from transformers import AutoConfig
 
-        run, a, d = self.run, self.run.actor, self.run.data
-        dims = memory.ModelDims.of(
-            AutoConfig.from_pretrained(run.model.path, trust_remote_code=run.model.trust_remote_code)
-        )
-        seq = d.max_prompt_length + d.max_response_length
-        if a.use_dynamic_bsz:
-            tokens = max(a.ppo_max_token_len_per_gpu, seq)
-        else:
-            rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // self.dp_size)
-            tokens = min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
-        return memory.update_bytes(
-            dims,
-            tokens=tokens,
-            response_tokens=tokens * d.max_response_length // seq,
-            checkpointing=run.model.enable_gradient_checkpointing,
-            rank=run.model.lora.rank,
-            targets=list(run.model.lora.target_modules),
-            dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
-            model_parallel=backend_of(run).model_parallel_size(run.backend),
+        m = self.run.model
+        hf_config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+        return memory.run_update_bytes(
+            self.run,
+            memory.ModelDims.of(hf_config),
+            self.dp_size,
+            backend_of(self.run).model_parallel_size(self.run.backend),
         )
 
     # ---- rollout -------------------------------------------------------------------------
