@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lorarl.data.arith import corpus, make_rows
+from lorarl.data.arith import corpus, held_out_rows, make_rows, pairs, question
 from lorarl.data.dataset import (
     PromptItem,
     PromptLoader,
@@ -235,14 +235,22 @@ def test_loader_errors():
 
 
 def test_ensure_arith_parquet_writes_once(tmp_path):
-    train, val = ensure_arith_parquet(
-        tmp_path / "arith" / "train.parquet", tmp_path / "arith" / "val.parquet", n_train=12, n_val=5, seed=1
-    )
+    train, val = ensure_arith_parquet(tmp_path / "arith" / "train.parquet", tmp_path / "arith" / "val.parquet", 12, 1)
     train_rows, val_rows = load_rows(train), load_rows(val)
-    assert len(train_rows) == 12 and len(val_rows) == 5
     assert train_rows == make_rows(12, 1, "train")
-    assert {r["extra_info"]["split"] for r in val_rows} == {"test"}
+    assert val_rows == held_out_rows() and {r["extra_info"]["split"] for r in val_rows} == {"test"}
     mtime = os.stat(train).st_mtime_ns
-    assert ensure_arith_parquet(train, val, 12, 5, 1) == (train, val)
+    assert ensure_arith_parquet(train, val, 12, 1) == (train, val)
     assert os.stat(train).st_mtime_ns == mtime  # existing files are reused, not rewritten
     assert not list((tmp_path / "arith").glob("*.tmp*"))  # nothing half-written left beside them
+
+
+def test_arith_held_out_pairs_are_never_in_the_warmup():
+    warm, held = set(pairs("warmup")), set(pairs("heldout"))
+    assert len(held) == 40 and len(warm) == 60 and not warm & held and warm | held == set(pairs("all"))
+    assert pairs("heldout") == pairs("heldout")  # a fixed split, the same in every process
+    drawn = {
+        (r["prompt"][0]["content"], r["reward_model"]["ground_truth"]) for r in make_rows(500, 0, "x", pool="warmup")
+    }
+    assert drawn <= {(question(a, b), str(a + b)) for a, b in warm}
+    assert {r["prompt"][0]["content"] for r in held_out_rows()} == {question(a, b) for a, b in held}

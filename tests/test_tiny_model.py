@@ -114,13 +114,21 @@ def hf_model(tiny_model_path: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
 
 
+def seen_rows() -> list[dict]:
+    return [arith.row(a, b, "train", i) for i, (a, b) in enumerate(arith.pairs("warmup"))]
+
+
 def test_warmup_makes_the_policy_partly_right(hf_model, tiny_tokenizer, tiny_model_path: Path):
-    # Measured for 100 warm-up steps: 58.5% on these 200 held-out rows for seed 0
-    # (seeds 1, 2: 58.5%, 60.5%). GRPO needs groups neither all right nor all wrong.
-    rows = arith.make_rows(200, seed=0, split="test")
-    acc = tiny.greedy_accuracy(hf_model, tiny_tokenizer, rows)
-    assert 0.25 <= acc <= 0.8, acc
-    assert tiny.build_info(tiny_model_path)["greedy_accuracy_test200"] == pytest.approx(acc, abs=0.03)
+    # Measured for 60 warm-up steps (seed 0, greedy): 37% of the 60 pairs the warm-up saw, 7.5% of
+    # the 40 it never saw (seed 1: 57% and 15%). GRPO needs groups neither all right nor all wrong,
+    # and room above the start: the default run takes the held-out pairs to 40-50%.
+    acc = tiny.greedy_accuracy(hf_model, tiny_tokenizer, seen_rows())
+    held_out = tiny.greedy_accuracy(hf_model, tiny_tokenizer, arith.held_out_rows())
+    assert 0.2 <= acc <= 0.7, acc
+    assert held_out < acc, (held_out, acc)
+    info = tiny.build_info(tiny_model_path)
+    assert info["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
+    assert info["greedy_accuracy_held_out"] == pytest.approx(held_out, abs=0.03)
 
 
 def test_without_warmup_the_model_is_not_right(tmp_path: Path, tiny_tokenizer):
@@ -169,13 +177,12 @@ def test_qwen3_is_a_real_qwen3_layout(qwen3_path: Path, tiny_model_path: Path):
 
 
 def test_qwen3_warmup_makes_the_policy_partly_right(qwen3_path: Path, tiny_tokenizer):
-    # Measured for 100 warm-up steps: 63.5% on these 200 held-out rows for seeds 0 and 1.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(qwen3_path).eval()
-    acc = tiny.greedy_accuracy(model, tiny_tokenizer, arith.make_rows(200, seed=0, split="test"))
-    assert 0.25 <= acc <= 0.8, acc
-    assert tiny.build_info(qwen3_path)["greedy_accuracy_test200"] == pytest.approx(acc, abs=0.03)
+    acc = tiny.greedy_accuracy(model, tiny_tokenizer, seen_rows())
+    assert 0.2 <= acc <= 0.8, acc
+    assert tiny.build_info(qwen3_path)["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
 
 
 def test_qwen3_qk_norms_are_refused_as_lora_targets(qwen3_path: Path):

@@ -38,6 +38,21 @@ def test_jsonl_rows_and_plots(tmp_path):
     assert (tmp_path / "plot_reward.png").stat().st_size > 1000
 
 
+def test_reward_plot_smooths_and_marks_validation(tmp_path):
+    from lorarl.plot import moving_average
+
+    assert moving_average([1.0, 0.0, 1.0, 0.0], window=2) == [1.0, 0.5, 0.5, 0.5]
+    assert moving_average([0.2] * 30)[-1] == pytest.approx(0.2)
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {})
+    t.log({"val/acc": 0.1}, 0)
+    for step in range(1, 21):
+        t.log({"reward/mean": (step % 2) / 2 + step / 40}, step)
+    t.log({"val/acc": 0.6}, 20)
+    t.finish()
+    written = {p.name for p in plot(tmp_path)}
+    assert {"plot_reward.png", "plot_val_acc.png"} <= written
+
+
 def test_plot_cli_rejects_a_folder_without_metrics(tmp_path):
     from lorarl.plot import main
 

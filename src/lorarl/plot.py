@@ -13,7 +13,7 @@ from pathlib import Path
 from lorarl.tracking import read_metrics
 
 CURVES = {
-    "reward": ("reward/mean", "mean reward"),
+    "reward": ("reward/mean", "mean reward, validation accuracy"),
     "val_acc": ("val/acc", "validation accuracy"),
     "kl": ("actor/kl_loss", "KL to the base model"),
     "response_length": ("response_length/mean", "mean response length (tokens)"),
@@ -21,6 +21,20 @@ CURVES = {
     "sync_parity": ("sync/logprob_diff_max", "max |trainer - vLLM| logp"),
 }
 LOG_SCALE = {"sync_parity"}  # fp32 runs sit near 1e-6, bf16 near 1e-2
+# The per-step reward swings with which prompts a batch drew; a trailing mean over this many steps
+# shows the trend (and at the last step equals the "last 10 steps" figure the README quotes).
+SMOOTH_WINDOW = 10
+
+
+def moving_average(values: list[float], window: int = SMOOTH_WINDOW) -> list[float]:
+    """Trailing mean: point i averages values[max(0, i - window + 1) : i + 1]."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def run_dirs(path: Path) -> list[Path]:
@@ -45,12 +59,17 @@ def plot(path: str | Path) -> list[Path]:
     for stem, (key, label) in CURVES.items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
         drawn = False
-        for run, rows in series.items():
+        for i, (run, rows) in enumerate(series.items()):
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if not points:
                 continue
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=run.name if len(runs) > 1 else None)
+            name = run.name if len(runs) > 1 else None
+            color = f"C{i % 10}"
+            if stem == "reward":
+                _reward_panel(ax, xs, ys, rows, color, name)
+            else:
+                ax.plot(xs, ys, color=color, marker="." if len(xs) < 50 else None, label=name)
             drawn = True
         if not drawn:
             plt.close(fig)
@@ -61,7 +80,7 @@ def plot(path: str | Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.set_title(label)
         ax.grid(alpha=0.3)
-        if len(runs) > 1:
+        if len(runs) > 1 or stem == "reward":
             ax.legend(fontsize=7)
         fig.tight_layout()
         out = path / f"plot_{stem}.png"
@@ -69,6 +88,32 @@ def plot(path: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def _reward_panel(ax, xs, ys, rows, color, name) -> None:
+    """Raw reward (faint), its trailing mean, and the validation accuracy at the steps it was measured."""
+    tag = f"{name}: " if name else ""
+    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=f"{tag}reward, per step")
+    ax.plot(
+        xs,
+        moving_average(list(ys)),
+        color=color,
+        linewidth=2.0,
+        label=f"{tag}reward, mean of last {SMOOTH_WINDOW} steps",
+    )
+    val = [(r["step"], r["val/acc"]) for r in rows if isinstance(r.get("val/acc"), (int, float))]
+    if val:
+        vx, vy = zip(*val)
+        # One run: its own colour, so the points stand apart from the reward; a sweep: the run's colour.
+        color = "C1" if not name else color
+        ax.plot(
+            vx, vy, color=color, linestyle="--", marker="s", markersize=5, label=f"{tag}validation accuracy (held out)"
+        )
+        for x, y in (val[0], val[-1]) if len(val) > 1 else val[:1]:
+            ax.annotate(
+                f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8, color=color
+            )
+    ax.set_ylim(0, 1.05)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,9 +75,7 @@ def prepare_data(run: RunConfig) -> None:
 
         if not d.val_files:
             d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        ensure_arith_parquet(
-            d.train_files[0], d.val_files[0], n_train=d.generator_size, n_val=max(64, d.generator_size // 10), seed=0
-        )
+        ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
 
 
 def run(cfg: DictConfig) -> float | None:

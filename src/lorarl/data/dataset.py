@@ -238,20 +238,20 @@ def ensure_arith_parquet(
     train_path: str | os.PathLike,
     val_path: str | os.PathLike,
     n_train: int,
-    n_val: int,
     seed: int,
-    max_operand: int = 9,
 ) -> tuple[str, str]:
-    """Write the synthetic task's train/val parquet at the configured paths if missing.
+    """Write the synthetic task's parquet at the configured paths if missing: `n_train` problems
+    drawn from all pairs for training, and each pair the tiny model's warm-up never saw once for
+    validation (lorarl.data.arith).
 
-    The config puts the size in the folder name, so a changed size never reuses stale files.
+    The config puts the size and task version in the folder name, so a changed task never reuses stale files.
     """
-    from lorarl.data.arith import make_rows
+    from lorarl.data.arith import held_out_rows, make_rows
 
     train = Path(os.path.expanduser(str(train_path)))
     val = Path(os.path.expanduser(str(val_path)))
     if not train.is_file():
-        write_parquet(make_rows(n_train, seed, "train", max_operand=max_operand), train)
+        write_parquet(make_rows(n_train, seed, "train"), train)
     if not val.is_file():
-        write_parquet(make_rows(n_val, seed, "test", max_operand=max_operand), val)
+        write_parquet(held_out_rows(), val)
     return str(train), str(val)
