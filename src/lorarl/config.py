@@ -193,10 +193,10 @@ class TrainerConfig:
     # trainer and vLLM log-probs on fixed probe sequences must agree (lorarl.sync_checks).
     check_sync: bool = True
     # The probe's bound on the worst token's |log-prob diff| (null: 1e-3 when both sides compute
-    # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.20 at 7B).
+    # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.31 at 7B).
     check_sync_tolerance: float | None = None
     # The fingerprint runs after every sync; the probe (two trainer forwards and one vLLM
-    # prefill per probe sequence, 0.3-0.6 s a step on one H200) every this many steps, on the
+    # prefill per probe sequence, 0.1-0.3 s at 7B on one H200) every this many steps, on the
     # first step each process runs (so a resumed run probes at once) and on the last.
     check_sync_probe_freq: int = 10
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume

@@ -268,7 +268,7 @@ class GRPOTrainer:
             adv = algorithms.grpo_advantages(
                 torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
-            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, None, logprobs))
+            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, logprobs))
 
         # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
         t0 = time.perf_counter()

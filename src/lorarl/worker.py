@@ -186,18 +186,15 @@ class Worker:
         responses: list[list[int]],
         advantages: list[float],
         step: int,
-        probe: list[list[int]] | None = None,
         rollout_logprobs: list[list[float]] | None = None,
     ) -> dict:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
-        mini-batches); reference log-probs only when the KL loss uses them. `probe` (prompt +
-        response token ids) fixes the sequences the parity probe reads after every sync.
+        mini-batches); reference log-probs only when the KL loss uses them. The probe's
+        sequences are set apart (`set_probe`, per rollout engine).
         """
         timing = {"timing/sleep": self.sleep()}
-        if probe is not None:
-            self.set_probe(probe)
         batch = build_batch(
             prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
         )

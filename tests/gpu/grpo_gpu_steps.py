@@ -207,8 +207,9 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        probe = [p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)] if step == 1 else None
-        train = worker.update(p_ids, r_ids, adv, step, probe)
+        if step == 1:
+            worker.set_probe([p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)])
+        train = worker.update(p_ids, r_ids, adv, step)
         t_sleep = train["timing/sleep"]
         t_sync0 = time.perf_counter()
         sync = worker.sync()
