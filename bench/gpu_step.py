@@ -364,6 +364,10 @@ def lorarl_row(result: dict, prompt_tokens: list[int], completions: int, n_param
         "sync_bytes": rows[-1].get("sync/bytes") if rows else None,
         "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
         "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        # The rollout/trainer mismatch the update sees (vLLM's sampled-token log-probs against
+        # the trainer's, bf16 on both sides): k3 KL and the largest ratio, per step.
+        "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
+        "rollout_corr_ratio_max": [r.get("rollout_corr/ratio_max") for r in rows],
     }
     out.update(mfu(n_params, step_tokens, breakdown.get("timing/update")))
     return out

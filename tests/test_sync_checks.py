@@ -63,6 +63,23 @@ def test_fingerprint_wraps_like_int64():
     assert halves == fp == Fingerprint(fp.total, fp.weighted)
 
 
+def test_batched_fingerprints_equal_one_at_a_time(monkeypatch):
+    """Stacked same-shape reductions give each tensor's own integers, whatever the mix of
+    shapes, dtypes, empty tensors and column chunks (a small chunk forces several passes)."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(8, 40, generator=gen).to(torch.bfloat16) for _ in range(5)]
+    tensors += [torch.randn(40, 8, generator=gen), torch.zeros(0, 4), torch.randn(3, generator=gen).half()]
+    tensors.append(torch.randn(30, 20, generator=gen))  # above the chunk: reduced alone
+    tensors.insert(2, torch.randn(8, 40, generator=gen))  # same shape as the first, other dtype
+    one_by_one = [fingerprint(t) for t in tensors]
+    monkeypatch.setattr(sync_checks, "_CHUNK", 400)  # 5 stacked rows of 320 -> 80 columns per pass
+    assert sync_checks.resolve(sync_checks.fingerprint_sums_many(tensors)) == one_by_one
+    as_bf16 = sync_checks.resolve(sync_checks.fingerprint_sums_many(tensors[:3], torch.bfloat16))
+    assert as_bf16 == [fingerprint(t, torch.bfloat16) for t in tensors[:3]]
+    with pytest.raises(SyncError, match="cannot fingerprint"):
+        sync_checks.fingerprint_sums_many([torch.zeros(2, dtype=torch.int64)])
+
+
 def test_fingerprint_refuses_integer_tensors():
     with pytest.raises(SyncError, match="cannot fingerprint"):
         fingerprint(torch.zeros(2, dtype=torch.int64))

@@ -84,6 +84,41 @@ def fingerprint_sums(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor
     return sums
 
 
+def fingerprint_sums_many(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+    """`fingerprint_sums` of each tensor, equal-shaped small tensors reduced together.
+
+    An adapter is hundreds of tensors of a handful of shapes (one per projection kind and A/B);
+    reducing each alone launched ~8 kernels per tensor, 0.1-0.2 s per check at 7B on an H200.
+    Stacking a shape's tensors makes it ~8 kernels per shape, with the same integers."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    cast: list[Tensor] = []
+    groups: dict[tuple, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        if t.dtype not in _BITS:
+            raise SyncError(f"cannot fingerprint a {t.dtype} tensor; sync checks cover float32/float16/bfloat16")
+        cast.append(t)
+        if t.numel() >= _CHUNK:  # large (base weights): alone, never copied into a stack
+            out[i] = fingerprint_sums(t)
+        else:
+            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for (_, t_dtype, device), indices in groups.items():
+        bits = torch.stack([cast[i].contiguous().view(_BITS[t_dtype]).reshape(-1) for i in indices])
+        rows, numel = bits.shape
+        sums = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+        width = max(1, _CHUNK // rows)
+        for start in range(0, numel, width):
+            part = bits[:, start : start + width].to(torch.int64)
+            pos = torch.arange(start + 1, start + 1 + part.shape[1], dtype=torch.int64, device=device)
+            sums[:, 0] += part.sum(1)  # int64 sums wrap modulo 2^64, as Fingerprint's arithmetic does
+            sums[:, 1] += (part * pos).sum(1)
+        for row, i in enumerate(indices):
+            out[i] = sums[row]
+    return out  # type: ignore[return-value]
+
+
 def resolve(sums: list[Tensor]) -> list[Fingerprint]:
     """Fingerprints of `fingerprint_sums` results, one host transfer per device."""
     out: list[Fingerprint | None] = [None] * len(sums)
@@ -173,8 +208,8 @@ def expected_adapter_slots(
             b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
         if b.shape[1] < slot.b_shape[1]:
             b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[1]))
-        pending[module] = (fingerprint_sums(a), fingerprint_sums(b))
-    resolved = iter(resolve([s for pair in pending.values() for s in pair]))
+        pending[module] = (a, b)
+    resolved = iter(resolve(fingerprint_sums_many([t for pair in pending.values() for t in pair])))
     out.update({module: (next(resolved), next(resolved)) for module in pending})
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint_sums, peft_scaling, resolve
+from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint_sums_many, peft_scaling, resolve
 
 
 def vllm_worker(worker):
@@ -178,7 +178,7 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
     packed = getattr(adapters, "packed_modules", {})
     by_leaf = getattr(adapters, "packed_modules_mapping", {})
     found: list[tuple[str, tuple, tuple]] = []
-    sums = []
+    held: list[Tensor] = []
     for name, module in modules.items():
         stacks_a = getattr(module, "lora_a_stacked", None)
         stacks_b = getattr(module, "lora_b_stacked", None)
@@ -206,8 +206,8 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
                 )
             slot_a, slot_b = a[index, 0], b[index, 0]
             found.append((part, tuple(slot_a.shape), tuple(slot_b.shape)))
-            sums += [fingerprint_sums(slot_a), fingerprint_sums(slot_b)]
-    fps = iter(resolve(sums))
+            held += [slot_a, slot_b]
+    fps = iter(resolve(fingerprint_sums_many(held)))
     return {part: LoraSlot(part, a_shape, b_shape, next(fps), next(fps)) for part, a_shape, b_shape in found}
 
 
@@ -224,7 +224,7 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
     model = vllm_worker(worker).model_runner.get_model()
     out: dict[str, tuple | None] = {}
     readable: list[tuple[str, str]] = []
-    sums = []
+    held: list[Tensor] = []
     for name, param in model.named_parameters():
         name = name.replace(".base_layer.", ".")
         if name not in numels:
@@ -234,6 +234,6 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
             out[name] = None
             continue
         readable.append((name, str(param.dtype)))
-        sums.append(fingerprint_sums(flat[: numels[name]]))
-    out.update({name: (fp, dtype) for (name, dtype), fp in zip(readable, resolve(sums))})
+        held.append(flat[: numels[name]])
+    out.update({name: (fp, dtype) for (name, dtype), fp in zip(readable, resolve(fingerprint_sums_many(held)))})
     return out

@@ -1,0 +1,164 @@
+"""Where the PPO update's time goes on one GPU: the project's FSDPEngine on the GPU step's work.
+
+    torchrun --standalone --nproc_per_node=1 -m bench.update_profile --shape 0.5b --out DIR
+
+The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22 prompt tokens,
+128 response tokens, random ids), on-policy (no old log-probs), with the rollout's log-probs
+present as in a real run. Each variant (Hydra overrides on the shape's model preset) builds its
+own engine and times `engine.update` (median of --repeats after --warmup); the first variant is
+then profiled once with torch.profiler. `--reserve-gib` holds that much GPU memory the whole
+time, as the awake vLLM engine does in a colocated run.
+
+Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
+DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.common import cache_dir, shaped_model, tiny_model
+from lorarl.batch import build_batch
+from lorarl.config import compose
+from lorarl.engines.fsdp import FSDPEngine
+
+PRESETS = {
+    "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
+    "7b": ("qwen2.5-7b", "qwen2_5_7b_instruct"),
+    "tiny": (None, "qwen2_tiny"),
+}
+
+
+def make_batch(engine: FSDPEngine, rows: int, response: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    top = min(500, engine.model.config.vocab_size)  # ids < 512 are valid in every Qwen vocab and the tiny one
+    prompts = [torch.randint(10, top, (int(torch.randint(18, 27, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(rows)]  # fmt: skip
+    responses = [torch.randint(10, top, (response,), generator=gen).tolist() for _ in range(rows)]
+    batch = build_batch(
+        prompts,
+        responses,
+        engine.pad_token_id,
+        advantages=torch.randn(rows, generator=gen).tolist(),
+        left_pad_prompts=engine.left_pad_prompts,
+        rollout_logprobs=[[-1.0] * response for _ in range(rows)],
+    )
+    return batch
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_updates(engine: FSDPEngine, batch, warmup: int, repeats: int) -> list[float]:
+    out = []
+    for k in range(warmup + repeats):
+        synchronize()
+        t0 = time.perf_counter()
+        engine.update(batch, step=k + 1)
+        synchronize()
+        if k >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(PRESETS), default="0.5b")
+    ap.add_argument("--variants", default="preset", help="';'-separated, each a ','-list of overrides or 'preset'")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--reserve-gib", type=float, default=0.0)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--response", type=int, default=128)
+    ap.add_argument("--kl", action="store_true", help="a reference log-prob tensor and the KL loss")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    cache = cache_dir()
+    shape, preset = PRESETS[args.shape]
+    model = shaped_model(cache, shape, dtype="bfloat16", device=args.device) if shape else tiny_model(cache)
+    reserve = torch.empty(int(args.reserve_gib * 2**30), dtype=torch.uint8, device=device) if args.reserve_gib else None
+    base = [
+        "+backend=fsdp",
+        f"model={preset}",
+        f"model.path={model}",
+        "model.builder=null",
+        "data.train_batch_size=32",
+        "actor.ppo_mini_batch_size=32",
+        "rollout.n=8",
+        f"trainer.device={args.device}",
+        f"actor.use_kl_loss={str(args.kl).lower()}",
+    ]
+    result = {"shape": args.shape, "reserve_gib": args.reserve_gib, "variants": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    first_engine = first_batch = None
+    for spec in args.variants.split(";"):
+        extra = [] if spec == "preset" else spec.split(",")
+        run = compose(base + extra)
+        engine = FSDPEngine(run, device)
+        batch = make_batch(engine, args.rows, args.response)
+        if args.kl:
+            batch.ref_logp = torch.zeros_like(batch.response_mask)
+        stats = torch.cuda.memory_stats if on_gpu else dict
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        retries0 = stats().get("num_alloc_retries", 0)
+        samples = time_updates(engine, batch, args.warmup, args.repeats)
+        row = {
+            "variant": spec,
+            "median_s": statistics.median(samples),
+            "samples_s": samples,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+            "alloc_retries": stats().get("num_alloc_retries", 0) - retries0,
+            "micro_batches": engine.update(batch, step=99).get("actor/micro_batches"),
+        }
+        print(json.dumps(row), flush=True)
+        result["variants"].append(row)
+        if first_engine is None:
+            first_engine, first_batch = engine, batch
+        else:
+            del engine
+            if on_gpu:
+                torch.cuda.empty_cache()
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        synchronize()
+        t0 = time.perf_counter()
+        first_engine.update(first_batch, step=100)
+        synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    cuda_total = sum(e.self_device_time_total for e in events) / 1e6
+    result["profiled_wall_s"] = wall
+    result["profiled_kernel_s"] = cuda_total
+    text = [f"profiled update wall {wall:.3f} s, kernel time (sum of self device time) {cuda_total:.3f} s"]
+    text.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+    text.append(events.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
+    (out / f"update_profile_{args.shape}.txt").write_text("\n".join(text))
+    (out / f"update_profile_{args.shape}.json").write_text(json.dumps(result, indent=1))
+    print(text[0], flush=True)
+    del reserve
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
