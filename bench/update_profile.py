@@ -110,9 +110,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     first_engine = first_batch = None
     for spec in args.variants.split(";"):
-        extra = [] if spec == "preset" else spec.split(",")
+        extra = [] if spec == "preset" else [o for o in spec.split(",") if o != "fused_adamw"]
         run = compose(base + extra)
         engine = FSDPEngine(run, device)
+        if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step
+            o = run.actor.optim
+            engine.optimizer = torch.optim.AdamW(
+                engine.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True
+            )
+            engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
         batch = make_batch(engine, args.rows, args.response)
         if args.kl:
             batch.ref_logp = torch.zeros_like(batch.response_mask)

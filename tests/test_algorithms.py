@@ -14,6 +14,7 @@ from lorarl.algorithms import (
     masked_mean,
     masked_sum,
     policy_loss,
+    token_logprobs,
 )
 from lorarl.errors import ConfigError
 
@@ -98,6 +99,35 @@ def test_logprobs_from_bf16_logits_are_float32():
     out = logprobs_from_logits(logits, T([[0], [1]]))
     assert out.dtype == torch.float32
     close(out, [[-0.6931472], [-0.6931472]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 4), (0.7, 4), (0.7, 1024)])
+def test_token_logprobs_match_float64_math_and_its_gradient(dtype, temperature, chunk):
+    """Values, the no-gradient entropy and the gradient of a weighted sum against float64
+    autograd; blocks that cut rows (chunk 4 < 7 positions) and the ignored last position."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 8, 50, generator=gen) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (5, 7), generator=gen)
+    weights = torch.randn(5, 7, generator=gen)
+    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy=True, chunk_tokens=chunk)
+    assert logp.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    (logp * weights).sum().backward()
+    ref = logits.detach().double().requires_grad_()
+    lsm = (ref[:, :7] / temperature).log_softmax(-1)
+    ref_logp = lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (ref_logp * weights.double()).sum().backward()
+    assert (logp.double() - ref_logp).abs().max() < 1e-5
+    assert (entropy.double() + (lsm.exp() * lsm).sum(-1)).abs().max() < 1e-5
+    # bf16 gradients are the float64 ones rounded to bf16 (8 bits of mantissa).
+    tol = 1e-6 if dtype == torch.float32 else 2**-8 * ref.grad.abs().max()
+    assert (logits.grad.double() - ref.grad).abs().max() <= tol
+    assert logits.grad[:, 7:].abs().max() == 0  # the position past the labels
+
+
+def test_token_logprobs_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="token_logprobs wants"):
+        token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
 
 
 def test_entropy_hand_values():

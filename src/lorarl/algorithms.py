@@ -72,34 +72,106 @@ def grpo_advantages(
     return adv.to(out_dtype)
 
 
-def _chunk_logp(rows: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    rows = rows.float() / temperature
-    return rows.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+def _blocks(batch: int, width: int, chunk_tokens: int):
+    """(row slice, column slice) blocks of a [batch, width] grid, each at most ~chunk_tokens."""
+    cols = max(1, min(width, chunk_tokens))
+    rows = max(1, chunk_tokens // cols)
+    for i in range(0, batch, rows):
+        for j in range(0, width, cols):
+            yield slice(i, i + rows), slice(j, j + cols)
+
+
+def _scaled_float(block: torch.Tensor, temperature: float) -> torch.Tensor:
+    """block / temperature in float32, for out-of-place use only (a float32 block at T=1 comes
+    back as itself)."""
+    x = block.float()
+    if temperature == 1.0:
+        return x
+    return x / temperature if block.dtype == torch.float32 else x.div_(temperature)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / T)[label] per position, with the entropy as a no-gradient extra.
+
+    Every [tokens, V] pass is memory traffic over the 152k-wide vocabulary. Through autograd the
+    same math (float cast, divide, logsumexp, gather, each chunk's slice gradient summed into the
+    whole logits' gradient) took more GPU time than every matmul of the 0.5B update together
+    (bench/results/update_profile_2026-12-01). Here a block is read once in float32 for
+    log_softmax (and the entropy from the same values); the backward recomputes the block's
+    softmax and writes its gradient, g / T * (onehot(label) - softmax), straight into one buffer.
+    Positions past labels.shape[1] (the model's prediction after the last token) get gradient 0,
+    so callers pass the model's logits without slicing a copy of them.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_tokens, with_entropy):
+        batch, width = labels.shape
+        logp = torch.empty(batch, width, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        scored = logits[:, :width]  # a view: the positions labels score
+        for rows, cols in _blocks(batch, width, chunk_tokens):
+            lsm = _scaled_float(scored[rows, cols], temperature).log_softmax(-1)
+            logp[rows, cols] = lsm.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[rows, cols] = lsm.exp().mul_(lsm).sum(-1).neg_()
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, labels = ctx.saved_tensors
+        if grad_logp is None:
+            return None, None, None, None, None
+        batch, width = labels.shape
+        grad = torch.empty_like(logits)
+        grad[:, width:].zero_()
+        scored, scored_grad = logits[:, :width], grad[:, :width]
+        for rows, cols in _blocks(batch, width, ctx.chunk_tokens):
+            g = (grad_logp[rows, cols] / ctx.temperature).unsqueeze(-1)
+            probs = _scaled_float(scored[rows, cols], ctx.temperature).softmax(-1)
+            probs.mul_(-g).scatter_add_(-1, labels[rows, cols].unsqueeze(-1), g)
+            scored_grad[rows, cols] = probs
+        return grad, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(label), entropy or None) per position, both float32, of softmax(logits / T).
+
+    logits [B, T', V] with T' >= T, labels [B, T]: position t of labels is scored by logits[:, t];
+    positions past T are ignored. log p is differentiable; the entropy carries no gradient (a
+    metric). At most ~chunk_tokens rows of V exist in float32 at any time.
+    """
+    if (
+        logits.dim() != 3
+        or labels.dim() != 2
+        or logits.shape[0] != labels.shape[0]
+        or logits.shape[1] < labels.shape[1]
+    ):
+        raise ValueError(f"token_logprobs wants logits [B, T', V] and labels [B, T<=T'], got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")  # fmt: skip
+    logp, entropy = _TokenLogProbs.apply(logits, labels, float(temperature), chunk_tokens, with_entropy)
+    return logp, (entropy if with_entropy else None)
 
 
 def logprobs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024
 ) -> torch.Tensor:
-    """log p(label) per position, float32, from logits / temperature: logit[label] - logsumexp.
-
-    Rows are processed in chunks, so a 16-bit [tokens, V] never exists as one float32 copy
-    (at V=152k and 8k tokens that copy alone would be ~5 GB). Under autograd each chunk is
-    recomputed in the backward pass instead of keeping its float32 copy alive.
-    """
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    flat_labels = labels.reshape(-1)
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    out = []
-    for start in range(0, flat.shape[0], chunk_rows):
-        rows, lab = flat[start : start + chunk_rows], flat_labels[start : start + chunk_rows]
-        if grad:
-            out.append(checkpoint(_chunk_logp, rows, lab, temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logp(rows, lab, temperature))
-    if not out:
+    """log p(label) per position, float32, from logits [..., V] / temperature and labels of
+    logits' leading shape (token_logprobs over the flattened positions)."""
+    if labels.numel() == 0:
         return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    return torch.cat(out).reshape(labels.shape)
+    flat = logits.reshape(1, -1, logits.shape[-1])
+    logp, _ = token_logprobs(flat, labels.reshape(1, -1), temperature, chunk_tokens=chunk_rows)
+    return logp.reshape(labels.shape)
 
 
 def _chunk_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -164,16 +164,14 @@ class FSDPEngine:
             use_cache=False,
             logits_to_keep=ids.shape[1] - first,
         )
-        logits = out.logits[:, :-1]  # positions first .. L-2, each predicting the next token
+        # Positions first .. L-1; each but the last predicts a token of the batch. token_logprobs
+        # ignores the last without slicing (a slice would copy every logit).
         labels = ids[:, first + 1 :]
-        logp = F.pad(algorithms.logprobs_from_logits(logits, labels, temperature), (first, 0))
-        ent = None
+        logp, ent = algorithms.token_logprobs(out.logits, labels, temperature, with_entropy=entropy == "metric")
         if entropy == "grad":
-            ent = F.pad(algorithms.entropy_from_logits(logits, temperature), (first, 0))
-        elif entropy == "metric":
-            with torch.no_grad():
-                ent = F.pad(algorithms.entropy_from_logits(logits.detach(), temperature), (first, 0))
-        return mb, logp, ent
+            ent = algorithms.entropy_from_logits(out.logits[:, :-1], temperature)
+        logp = F.pad(logp, (first, 0))
+        return mb, logp, None if ent is None else F.pad(ent, (first, 0))
 
     @torch.no_grad()
     def log_probs(
