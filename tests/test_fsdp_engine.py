@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "fsdp_engine_check.py"
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 600) -> None:
+def torchrun(nproc: int, *args: str, timeout: int = 600, script: Path = SCRIPT) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [
         sys.executable,
@@ -26,7 +26,7 @@ def torchrun(nproc: int, *args: str, timeout: int = 600) -> None:
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--standalone",
-        str(SCRIPT),
+        str(script),
         *args,
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -140,3 +140,10 @@ def test_gather_is_the_same_at_any_world_size(tmp_path_factory):
     a, b = (load_file(p / "adapter_bucketed.safetensors") for p in outs[:2])
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_reference_pass_first_keeps_float32_lora_gradients(tiny_model_path):
+    """FSDP2 fixes gradient dtypes at the first forward; PEFT's adapter-off context turns
+    requires_grad off, so a reference pass first used to leave bf16 gradients on float32 LoRA
+    weights (a GPU run with KL loss stopped at its first backward). Mixed precision as on GPU."""
+    torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_mixed_precision_check.py")

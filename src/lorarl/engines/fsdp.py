@@ -82,6 +82,21 @@ def decoder_layers(peft_model) -> list[torch.nn.Module]:
     return list(inner.model.layers)
 
 
+def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
+    """fully_shard every decoder layer, then the root; then one token through it, adapter on.
+
+    FSDP2 fixes each unit's gradient dtypes at the root's first forward, from the parameters
+    that require grad at that moment. PEFT's disable_adapter() switches requires_grad off, so a
+    first forward for reference log-probs left the float32 LoRA weights with bf16 gradients,
+    which torch refuses to assign (seen on GPU with KL loss before any update)."""
+    for layer in decoder_layers(peft_model):
+        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
+    fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
+    with torch.no_grad():
+        peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    return peft_model
+
+
 class FSDPEngine:
     def __init__(self, run: RunConfig, device: torch.device):
         self.run = run
@@ -99,10 +114,7 @@ class FSDPEngine:
         if on_gpu and (b.param_offload or b.optimizer_offload):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
-        for layer in decoder_layers(peft_model):
-            fully_shard(layer, mesh=mesh, **kwargs)
-        fully_shard(peft_model, mesh=mesh, **kwargs)
-        self.model = peft_model
+        self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
         self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
