@@ -94,7 +94,7 @@ def main() -> None:
     (b_lp * weights).sum().backward()
     b_grad = logits.grad.float()
     check = {
-        "logp_max_abs_diff": float((a_lp - b_lp).abs().max()),
+        "logp_max_abs_diff": float((a_lp - b_lp).detach().abs().max()),
         "entropy_max_abs_diff": float((a_ent - b_ent).abs().max()),
         "grad_max_abs_diff": float((a_grad - b_grad).abs().max()),
         "grad_max_abs": float(a_grad.abs().max()),
