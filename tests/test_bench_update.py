@@ -1,0 +1,46 @@
+"""bench.update_profile and bench.logprob_passes on CPU: the code paths the GPU runs take
+(a real FSDPEngine over gloo on the tiny model; token_logprobs against the old composition)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
+def test_update_profile_times_variants_and_profiles_one(tmp_path):
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         "-m", "bench.update_profile", "--shape", "tiny", "--device", "cpu", "--rows", "8", "--response", "4",
+         "--warmup", "0", "--repeats", "1", "--variants", "preset;fused_adamw", "--out", str(tmp_path)],
+        tmp_path,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "update_profile_tiny.json").read_text())
+    assert [v["variant"] for v in result["variants"]] == ["preset", "fused_adamw"]
+    assert all(v["median_s"] > 0 and v["micro_batches"] >= 1 for v in result["variants"])
+    assert "Self CPU" in (tmp_path / "update_profile_tiny.txt").read_text()
+
+
+def test_logprob_passes_checks_both_paths_agree(tmp_path):
+    out = tmp_path / "lp.json"
+    run(
+        [sys.executable, "-m", "bench.logprob_passes", "--rows", "3", "--tokens", "5", "--vocab", "64",
+         "--temperature", "0.7", "--repeats", "2", "--threads", "1", "--out", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    check = result["check"]
+    assert check["logp_max_abs_diff"] < 1e-5 and check["entropy_max_abs_diff"] < 1e-4
+    assert check["grad_max_abs_diff"] <= 2**-8 * check["grad_max_abs"]  # bf16 rounding of the same gradient
+    assert len(result["samples_s"]["composed"]) == len(result["samples_s"]["token_logprobs"]) == 2
+    assert out.with_suffix(".md").is_file()
