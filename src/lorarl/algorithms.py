@@ -148,7 +148,7 @@ def token_logprobs(
 
     logits [B, T', V] with T' >= T, labels [B, T]: position t of labels is scored by logits[:, t];
     positions past T are ignored. log p is differentiable; the entropy carries no gradient (a
-    metric). At most ~chunk_tokens rows of V exist in float32 at any time.
+    metric). Float32 copies exist only for blocks of ~chunk_tokens positions (two at a time).
     """
     if (
         logits.dim() != 3
