@@ -65,23 +65,35 @@ def _wrap(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def fingerprint_sums(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """The two sums of `fingerprint` as an int64 pair on the tensor's device, without waiting
-    for the device: a sync checks hundreds of tensors, and one host round trip per tensor cost
-    more than the sums (`resolve` reads many pairs at once)."""
+def _bits(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """The tensor's stored bits (as `dtype` if given), flat, in the integer type of its width."""
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     if t.dtype not in _BITS:
         raise SyncError(f"cannot fingerprint a {t.dtype} tensor; sync checks cover float32/float16/bfloat16")
-    bits = t.contiguous().view(_BITS[t.dtype]).reshape(-1)
-    sums = torch.zeros(2, dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), _CHUNK):
-        part = bits[start : start + _CHUNK].to(torch.int64)
-        pos = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=part.device)
-        sums[0] += part.sum()  # int64 sums wrap modulo 2^64, as Fingerprint's arithmetic does
-        sums[1] += (part * pos).sum()
+    return t.contiguous().view(_BITS[t.dtype]).reshape(-1)
+
+
+def _row_sums(bits: Tensor) -> Tensor:
+    """[rows, 2] int64: each row's (sum, position-weighted sum) of `bits` [rows, n], in column
+    passes that bound the int64 scratch to _CHUNK elements."""
+    rows, numel = bits.shape
+    sums = torch.zeros(rows, 2, dtype=torch.int64, device=bits.device)
+    width = max(1, _CHUNK // rows)
+    for start in range(0, numel, width):
+        part = bits[:, start : start + width].to(torch.int64)
+        pos = torch.arange(start + 1, start + 1 + part.shape[1], dtype=torch.int64, device=bits.device)
+        sums[:, 0] += part.sum(1)  # int64 sums wrap modulo 2^64, as Fingerprint's arithmetic does
+        sums[:, 1] += (part * pos).sum(1)
     return sums
+
+
+def fingerprint_sums(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The two sums of `fingerprint` as an int64 pair on the tensor's device, without waiting
+    for the device: a sync checks hundreds of tensors, and one host round trip per tensor cost
+    more than the sums (`resolve` reads many pairs at once)."""
+    return _row_sums(_bits(tensor, dtype).unsqueeze(0))[0]
 
 
 def fingerprint_sums_many(tensors: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
@@ -91,29 +103,15 @@ def fingerprint_sums_many(tensors: list[Tensor], dtype: torch.dtype | None = Non
     reducing each alone launched ~8 kernels per tensor, 0.1-0.2 s per check at 7B on an H200.
     Stacking a shape's tensors makes it ~8 kernels per shape, with the same integers."""
     out: list[Tensor | None] = [None] * len(tensors)
-    cast: list[Tensor] = []
+    bits = [_bits(t, dtype) for t in tensors]
     groups: dict[tuple, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        t = tensor.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        if t.dtype not in _BITS:
-            raise SyncError(f"cannot fingerprint a {t.dtype} tensor; sync checks cover float32/float16/bfloat16")
-        cast.append(t)
-        if t.numel() >= _CHUNK:  # large (base weights): alone, never copied into a stack
-            out[i] = fingerprint_sums(t)
+    for i, (tensor, b) in enumerate(zip(tensors, bits)):
+        if b.numel() >= _CHUNK:  # large (base weights): alone, never copied into a stack
+            out[i] = _row_sums(b.unsqueeze(0))[0]
         else:
-            groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
-    for (_, t_dtype, device), indices in groups.items():
-        bits = torch.stack([cast[i].contiguous().view(_BITS[t_dtype]).reshape(-1) for i in indices])
-        rows, numel = bits.shape
-        sums = torch.zeros(rows, 2, dtype=torch.int64, device=device)
-        width = max(1, _CHUNK // rows)
-        for start in range(0, numel, width):
-            part = bits[:, start : start + width].to(torch.int64)
-            pos = torch.arange(start + 1, start + 1 + part.shape[1], dtype=torch.int64, device=device)
-            sums[:, 0] += part.sum(1)  # int64 sums wrap modulo 2^64, as Fingerprint's arithmetic does
-            sums[:, 1] += (part * pos).sum(1)
+            groups.setdefault((tuple(tensor.shape), b.dtype, b.device), []).append(i)
+    for indices in groups.values():
+        sums = _row_sums(torch.stack([bits[i] for i in indices]))
         for row, i in enumerate(indices):
             out[i] = sums[row]
     return out  # type: ignore[return-value]
