@@ -271,27 +271,20 @@ class VLLMRollout:
     ) -> Samples:
         from vllm import SamplingParams
 
-        # vLLM 0.32 on CPU crashes on seeded requests whose prefill gets chunked ("CPU
-        # Generator does not use offset", seen at 50 prompts x 8 samples). There the call
-        # samples from the process RNG instead, seeded for this call and restored after.
-        process_seed = seed if self._is_cpu else None
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_tokens,
-                # Distinct streams per prompt, independent of how vLLM batches them.
-                seed=None if seed is None or process_seed is not None else seed + i,
-                logprobs=0,
-                detokenize=False,
-            )
-            for i in range(len(prompt_ids))
-        ]
+        # One seed per call, for the process RNG that vLLM's sampler draws from, not one per
+        # request: vLLM draws a seeded request's noise row by row in a Python loop every decode
+        # step (256 launches per step at 32 prompts x 8 samples), and on CPU vLLM 0.32 crashes
+        # on seeded requests whose prefill gets chunked ("CPU Generator does not use offset").
+        # Reproducible for the same prompts and engine; the ranks of a tensor-parallel engine
+        # seed alike, so they sample in lockstep. The caller's RNG state is restored after.
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, detokenize=False
+        )
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        with torch.random.fork_rng(devices=[], enabled=process_seed is not None):
-            if process_seed is not None:
-                torch.manual_seed(process_seed)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and not self._is_cpu else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
             outs = self.llm.generate(requests, params, lora_request=self.lora_request(), use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
