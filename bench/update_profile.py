@@ -5,8 +5,10 @@
 The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22 prompt tokens,
 128 response tokens, random ids), on-policy (no old log-probs), with the rollout's log-probs
 present as in a real run. Each variant (Hydra overrides on the shape's model preset) builds its
-own engine and times `engine.update` (median of --repeats after --warmup); the first variant is
-then profiled once with torch.profiler. `--reserve-gib` holds that much GPU memory the whole
+own engine and times `engine.update` (median of --repeats after --warmup); the last variant is
+then profiled once with torch.profiler. Put `backend.liger_kernel=false` first when comparing:
+Liger patches transformers' Qwen modules for the whole process, so engines built after a
+Liger one get its kernels too. `--reserve-gib` holds that much GPU memory the whole
 time, as the awake vLLM engine does in a colocated run.
 
 Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
@@ -109,8 +111,8 @@ def main() -> None:
     result = {"shape": args.shape, "reserve_gib": args.reserve_gib, "variants": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    first_engine = first_batch = None
-    for spec in args.variants.split(";"):
+    specs = args.variants.split(";")
+    for i, spec in enumerate(specs):
         extra = [] if spec == "preset" else [o for o in spec.split(",") if o != "fused_adamw"]
         run = compose(base + extra)
         engine = FSDPEngine(run, device)
@@ -138,10 +140,8 @@ def main() -> None:
         }
         print(json.dumps(row), flush=True)
         result["variants"].append(row)
-        if first_engine is None:
-            first_engine, first_batch = engine, batch
-        else:
-            del engine
+        if i < len(specs) - 1:
+            del engine, batch
             if on_gpu:
                 torch.cuda.empty_cache()
     from torch.profiler import ProfilerActivity, profile
@@ -150,7 +150,7 @@ def main() -> None:
     with profile(activities=activities) as prof:
         synchronize()
         t0 = time.perf_counter()
-        first_engine.update(first_batch, step=100)
+        engine.update(batch, step=100)
         synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()

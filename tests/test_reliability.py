@@ -658,3 +658,33 @@ def test_no_unsafe_loading_in_the_source():
                 assert not (isinstance(node.value, ast.Constant) and node.value.value is True), (
                     f"{path}:{node.value.lineno}: trust_remote_code=True"
                 )
+
+
+def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, tiny_model_path):
+    """backend.liger_kernel: null is on for CUDA training only; true on CPU is a one-line error
+    naming the key, raised before any model is loaded; a missing package names the fix."""
+    import torch
+    from hydra import compose
+
+    from lorarl.config import to_run_config
+    from lorarl.engines.fsdp import apply_liger_kernel, load_lora_model, use_liger_kernel
+    from lorarl.errors import ConfigError
+
+    monkeypatch.setenv("LORARL_CACHE", str(cache))
+    with composing():
+        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x"])
+    run = to_run_config(cfg)
+    run.model.path = str(tiny_model_path)
+    assert run.backend.liger_kernel is None
+    assert use_liger_kernel(run, torch.device("cuda")) and not use_liger_kernel(run, torch.device("cpu"))
+    run.backend.liger_kernel = False
+    assert not use_liger_kernel(run, torch.device("cuda"))
+    run.backend.liger_kernel = True
+    with pytest.raises(ConfigError) as err:
+        load_lora_model(run, torch.device("cpu"))
+    assert str(err.value).startswith("backend.liger_kernel=true needs CUDA") and "\n" not in str(err.value)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # as on a machine without the gpu extra
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    with pytest.raises(ConfigError) as err:
+        apply_liger_kernel(torch.nn.Module())
+    assert "liger-kernel is not importable" in str(err.value) and "backend.liger_kernel=false" in str(err.value)

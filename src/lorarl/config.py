@@ -217,6 +217,9 @@ class FSDPBackendConfig:
     optimizer_offload: bool = False
     # float32 or bfloat16: dtype of the all-gathered params during compute (GPU).
     mixed_precision: str = "bfloat16"
+    # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the training forward and backward
+    # (liger-kernel, in the gpu extra). null: on when training on CUDA, off on CPU (Triton).
+    liger_kernel: bool | None = None
 
 
 @dataclass
