@@ -169,3 +169,33 @@ def test_sync_stats_total():
     s = SyncStats(PayloadKind.ADAPTER, num_tensors=4, bytes=100, gather_s=0.5, transfer_s=0.25, load_s=0.125)
     assert s.seconds == 0.875
     assert s.as_dict()["sync/kind"] == "adapter"
+
+
+def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
+    """vLLM 0.26 on GPU: LoRA wrappers keep the wrapped weight under `.base_layer` and load no
+    plain names; which modules are wrapped depends on the model (Qwen3's embed_tokens is, as
+    the Qwen3-0.6B GPU run's level-2 resend showed; Qwen2's is not). The live names decide."""
+    from lorarl.rollout.vllm import resolve_base_name
+
+    live_qwen3 = frozenset(
+        {
+            "model.embed_tokens.base_layer.weight",
+            "model.layers.0.self_attn.qkv_proj.base_layer.weight",
+            "model.layers.0.mlp.gate_up_proj.base_layer.weight",
+            "model.layers.0.mlp.down_proj.base_layer.weight",
+        }
+    )
+    want = {
+        "model.embed_tokens.weight": "model.embed_tokens.base_layer.weight",
+        "model.layers.0.self_attn.k_proj.weight": "model.layers.0.self_attn.k_proj.base_layer.weight",
+        "model.layers.0.mlp.up_proj.weight": "model.layers.0.mlp.up_proj.base_layer.weight",
+        "model.layers.0.mlp.down_proj.weight": "model.layers.0.mlp.down_proj.base_layer.weight",
+        # Not wrapped in this engine: plain names.
+        "model.layers.0.self_attn.o_proj.weight": "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.q_norm.weight": "model.layers.0.self_attn.q_norm.weight",
+        "model.norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    assert {name: resolve_base_name(name, live_qwen3) for name in want} == want
+    # An engine whose wrappers load plain names themselves (vLLM 0.32) lists nothing: no renames.
+    assert all(resolve_base_name(name, frozenset()) == name for name in want)

@@ -589,12 +589,19 @@ def hf_parts(served: str) -> list[str]:
 
 def resolve_base_name(name: str, live: frozenset[str]) -> str:
     """The name vLLM's loader needs for plain HF weight `name`, decided by the live engine:
-    `.base_layer` goes in only where the live model keeps the wrapped linear's weight there."""
+    `.base_layer` goes in only where the live model keeps the wrapped module's weight there (a
+    fused projection is looked up under its fused name). Which modules vLLM wraps varies by
+    model: vLLM 0.26 wraps Qwen3's embed_tokens (VocabParallelEmbeddingWithLoRA) but not
+    Qwen2's, so the rule is read from the live names, never listed here."""
     module, _, leaf = name.rpartition(".")
+    if leaf not in ("weight", "bias"):
+        return name
     prefix, _, proj = module.rpartition(".")
     fused = _FUSED_INTO.get(proj)
-    if fused is None or leaf not in ("weight", "bias"):
-        return name
+    live_module = module if fused is None else f"{prefix}.{fused}"
+    if f"{live_module}.base_layer.{leaf}" in live:
+        return f"{module}.base_layer.{leaf}"
+    return name
     if f"{prefix}.{fused}.base_layer.{leaf}" in live:
         return f"{module}.base_layer.{leaf}"
     return name
