@@ -9,7 +9,7 @@ import typing
 import pytest
 import torch
 
-from lorarl.batch import build_batch, micro_batches, split_to
+from lorarl.batch import build_batch, micro_batches, padding_frac, split_to
 from lorarl.config import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, is_on_policy, ppo_update
 
@@ -146,6 +146,17 @@ def test_metrics_and_token_budget_micro_batches():
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/ppo_kl"] == 0.0  # ratio 1 on-policy
     # 8 rows of 4-11 real tokens in a budget of 24 padded tokens: several micro-batches, no row dropped.
     assert sum(policy.micro_sizes[0]) == 8 and metrics["actor/micro_batches"] == len(policy.micro_sizes[0]) > 1
+    assert 0.0 <= metrics["actor/padding_frac"] < 1.0
+
+
+def test_padding_frac_counts_what_the_forward_computes():
+    # Left-padded prompts: row 0 is 3 + 2 tokens at columns 0-4, row 1 is 1 + 4 at columns 2-6;
+    # the forward runs 2 rows x 7 columns for 10 real tokens.
+    batch = build_batch([[1, 2, 3], [6]], [[4, 5], [7, 8, 9, 10]], pad_id=0, left_pad_prompts=True)
+    assert padding_frac([batch]) == pytest.approx(4 / 14)
+    # Each row alone: its own columns only, nothing padded.
+    assert padding_frac([batch.select([0]), batch.select([1])]) == 0.0
+    assert padding_frac([]) == 0.0
 
 
 def test_micro_batch_plans():

@@ -104,6 +104,18 @@ def build_batch(
     return TrainBatch(input_ids, attention_mask, response_mask, advantages=adv, rollout_logp=rollout_logp)
 
 
+def padding_frac(micro: list[TrainBatch]) -> float:
+    """Share of the positions that forward passes over `micro` compute that are padding (columns
+    padding in every row are trimmed first, as the engines do): what packing the sequences of a
+    micro-batch into one row would save."""
+    positions = real = 0
+    for mb in micro:
+        first, last = mb.trim_span()
+        positions += len(mb) * (last - first)
+        real += int(mb.attention_mask.sum())
+    return 1.0 - real / positions if positions else 0.0
+
+
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... over each row's real tokens, whatever padding sits before them (as vLLM
     numbers a prompt)."""

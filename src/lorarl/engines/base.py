@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, micro_batches, split_to
+from lorarl.batch import TrainBatch, micro_batches, padding_frac, split_to
 from lorarl.config import RunConfig
 from lorarl.errors import TrainingError
 from lorarl.sync import PayloadKind, WeightPayload
@@ -117,9 +117,11 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> 
             count = algorithms.agg_count(minibatch.response_mask, a.loss_agg_mode)
             denom = max(engine.dp_all_reduce([count])[0], 1.0) / engine.dp_size
             loss_fn = _ppo_loss(run, denom, step)
-            for metrics in engine.forward_backward([minibatch.select(g) for g in groups], loss_fn, entropy_mode):
+            micro = [minibatch.select(g) for g in groups]
+            for metrics in engine.forward_backward(micro, loss_fn, entropy_mode):
                 for k, v in metrics.items():
                     sums.setdefault(k, []).append(v)
+            sums.setdefault("actor/padding_frac", []).append(padding_frac(micro))
             sums.setdefault("actor/grad_norm", []).append(engine.optimizer_step(step))
             sums.setdefault("actor/micro_batches", []).append(len(groups))
     result = reduce_metrics(sums)
