@@ -602,6 +602,3 @@ def resolve_base_name(name: str, live: frozenset[str]) -> str:
     if f"{live_module}.base_layer.{leaf}" in live:
         return f"{module}.base_layer.{leaf}"
     return name
-    if f"{prefix}.{fused}.base_layer.{leaf}" in live:
-        return f"{module}.base_layer.{leaf}"
-    return name
