@@ -43,6 +43,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     m = run.model
+    liger = use_liger_kernel(run, device)  # a setting this device cannot run fails before any load
     try:
         model = AutoModelForCausalLM.from_pretrained(
             m.path,
@@ -53,7 +54,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
         )
     except (OSError, ValueError) as err:
         raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
-    if use_liger_kernel(run, device):
+    if liger:
         apply_liger_kernel(model)
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
