@@ -5,8 +5,9 @@
 The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22 prompt tokens,
 128 response tokens, random ids), on-policy (no old log-probs), with the rollout's log-probs
 present as in a real run. Each variant (Hydra overrides on the shape's model preset) builds its
-own engine and times `engine.update` (median of --repeats after --warmup); the last variant is
-then profiled once with torch.profiler. Put `backend.liger_kernel=false` first when comparing:
+own engine and times `engine.update` (median of --repeats after --warmup), with its MFU as
+bench.gpu_step counts it, and the reference pass (`engine.log_probs(reference=True)`, the
+KL loss's extra forward); the last variant's update is then profiled once with torch.profiler. Put `backend.liger_kernel=false` first when comparing:
 Liger patches transformers' Qwen modules for the whole process, so engines built after a
 Liger one get its kernels too. `--reserve-gib` holds that much GPU memory the whole
 time, as the awake vLLM engine does in a colocated run.
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import cache_dir, shaped_model, tiny_model
+from bench.gpu_step import mfu, param_count
 from lorarl.batch import build_batch
 from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine
@@ -59,6 +61,18 @@ def make_batch(engine: FSDPEngine, rows: int, response: int, seed: int = 0):
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def time_reference(engine: FSDPEngine, batch, warmup: int, repeats: int) -> list[float]:
+    out = []
+    for k in range(warmup + repeats):
+        synchronize()
+        t0 = time.perf_counter()
+        engine.log_probs(batch, reference=True)
+        synchronize()
+        if k >= warmup:
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 def time_updates(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[list[float], dict]:
@@ -96,6 +110,7 @@ def main() -> None:
     cache = cache_dir()
     shape, preset = PRESETS[args.shape]
     model = shaped_model(cache, shape, dtype="bfloat16", device=args.device) if shape else tiny_model(cache)
+    n_params = param_count(json.loads((Path(model) / "config.json").read_text()))
     reserve = torch.empty(int(args.reserve_gib * 2**30), dtype=torch.uint8, device=device) if args.reserve_gib else None
     base = [
         "+backend=fsdp",
@@ -130,10 +145,14 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         retries0 = stats().get("num_alloc_retries", 0)
         samples, metrics = time_updates(engine, batch, args.warmup, args.repeats)
+        reference = time_reference(engine, batch, 1, args.repeats)
+        tokens = int(batch.attention_mask.sum())
         row = {
             "variant": spec,
             "median_s": statistics.median(samples),
             "samples_s": samples,
+            "mfu_update": mfu(n_params, tokens, statistics.median(samples))["mfu_update"],
+            "reference_median_s": statistics.median(reference),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
             "alloc_retries": stats().get("num_alloc_retries", 0) - retries0,
             "micro_batches": metrics.get("actor/micro_batches"),

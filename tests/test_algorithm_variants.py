@@ -43,7 +43,7 @@ def test_gspo_ratio_is_one_per_sequence_length_normalised():
     # seq 0: ratio 1 (inside the clip range), loss -1 per token; seq 1: ratio 1.5 clipped to
     # 1.0004 for A > 0 -> -1.0004. Mean of the two sequence means.
     assert loss.item() == pytest.approx(-(1.0 + 1.0004) / 2, rel=1e-6)
-    assert m["pg_clipfrac"] == pytest.approx(1 / 4)  # seq 1's one token of 4 kept tokens
+    assert float(m["pg_clipfrac"]) == pytest.approx(1 / 4)  # seq 1's one token of 4 kept tokens
     loss.backward()
     # gradient of seq 0's tokens: -A * s / |y| / 2 sequences = -1/6 each; clipped seq 1: 0
     torch.testing.assert_close(logp.grad[0, :3], torch.full((3,), -1 / 6))
@@ -65,6 +65,7 @@ def test_rollout_correction_by_hand():
     rollout = torch.zeros(2, 4)
     r = [math.exp(0.5), math.exp(-1.0), 1.0]
     w, mask, m = A.rollout_correction(old, rollout, MASK, "token_tis", threshold=2.0)
+    m = {k: float(v) for k, v in m.items()}
     torch.testing.assert_close(w[0, :3], torch.tensor([r[0], r[1], 1.0]))
     assert w[1, 0].item() == pytest.approx(2.0)  # e^2 truncated at the threshold
     assert torch.equal(mask, MASK)
@@ -79,6 +80,7 @@ def test_rollout_correction_by_hand():
     assert w[0, 0].item() == pytest.approx(math.exp(-0.5), rel=1e-6) and w[1, 0].item() == pytest.approx(2.0)
 
     _, mask, m = A.rollout_correction(old, rollout, MASK, "token_mask", threshold=2.0)
+    m = {k: float(v) for k, v in m.items()}
     # band [0.5, 2]: e^-1 = 0.37 and e^2 = 7.4 leave it
     assert mask.tolist() == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     assert m["masked_frac"] == pytest.approx(2 / 4)
@@ -89,6 +91,9 @@ def test_rollout_correction_by_hand():
 
     w, mask, m = A.rollout_correction(old, rollout, MASK, None)
     assert w is None and torch.equal(mask, MASK) and m["kl"] > 0
+    # Nothing kept: no largest ratio, so 1 (no mismatch), and nothing masked.
+    _, _, m = A.rollout_correction(old, rollout, torch.zeros_like(MASK), "token_mask")
+    assert float(m["ratio_max"]) == 1.0 and float(m["masked_frac"]) == 0.0
     with pytest.raises(ConfigError, match="rollout_correction.mode"):
         A.rollout_correction(old, rollout, MASK, "tis")
 

@@ -204,7 +204,8 @@ def test_policy_loss_ppo_clip_hand_values_and_gradient():
     # ppo_kl = mean(-ln r) = -(2 ln 1.5 + 2 ln .5 + ln 4) / 6 = -0.8109302 / 6
     close(m["ppo_kl"], -0.1351550)
     assert m["pg_clipfrac_lower"] == 0.0
-    assert all(isinstance(v, float) for v in m.values())
+    # Detached 0-dim tensors: the update reads them once per mini-batch, not per micro-batch.
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in m.values())
     loss.backward()
     # d/dlogp of -A r is -A r / 6 where unclipped, 0 where the clipped branch is active
     close(logp.grad, [[0.0, -0.5 / 6, -1.0 / 6], [1.5 / 6, 0.0, 4.0 / 6]])

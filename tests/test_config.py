@@ -291,6 +291,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["rollout.n=1"], "rollout.n"),
         (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "data.train_batch_size"),
         (["actor.ppo_micro_batch_size_per_gpu=5"], "actor.ppo_micro_batch_size_per_gpu"),
+        (["actor.log_prob_max_token_len_per_gpu=0"], "actor.log_prob_max_token_len_per_gpu"),
         (["rollout.layered_summon=true", "rollout.load_format=dummy"], "rollout.load_format"),
         (["model.lora.target_modules=[lm_head]"], "model.lora.target_modules"),
         (["model.lora.target_modules=[q_proj,embed_tokens]"], "model.lora.target_modules"),

@@ -11,7 +11,15 @@ import torch
 
 from lorarl.batch import build_batch, micro_batches, padding_frac, split_to
 from lorarl.config import compose
-from lorarl.engines.base import Engine, EntropyMode, LossFn, is_on_policy, ppo_update
+from lorarl.engines.base import (
+    Engine,
+    EntropyMode,
+    LossFn,
+    is_on_policy,
+    plan_micro_batches,
+    ppo_update,
+    read_metrics,
+)
 
 VOCAB, HIDDEN = 32, 8
 
@@ -43,7 +51,7 @@ class TablePolicy:
             loss, metrics = loss_fn(mb, self.logp(mb.input_ids), torch.zeros(mb.response_mask.shape))
             loss.backward()
             out.append(metrics)
-        return out
+        return read_metrics(out)
 
     def optimizer_step(self, step: int) -> float:
         self.grads.append(self.W.grad.clone())
@@ -157,6 +165,25 @@ def test_padding_frac_counts_what_the_forward_computes():
     # Each row alone: its own columns only, nothing padded.
     assert padding_frac([batch.select([0]), batch.select([1])]) == 0.0
     assert padding_frac([]) == 0.0
+
+
+def test_passes_without_backward_take_a_larger_token_budget():
+    """Old and reference log-probs keep no activations for a backward: by default their
+    micro-batches hold twice the update's padded tokens; the key sets it explicitly."""
+    batch, policy = batch_of(LENGTHS), TablePolicy()
+
+    def biggest(plan):
+        return max(len(g) * max(int(batch.lengths[i]) for i in g) for g in plan)
+
+    run = run_with(token_budget=24)
+    update, no_grad = plan_micro_batches(policy, batch, run), plan_micro_batches(policy, batch, run, backward=False)
+    assert biggest(update) <= 24 < biggest(no_grad) <= 48 and len(no_grad) < len(update)
+    explicit = plan_micro_batches(
+        policy, batch, run_with(token_budget=24, log_prob_max_token_len_per_gpu=12), backward=False
+    )
+    assert biggest(explicit) <= 12 and len(explicit) > len(update)
+    for plan in (update, no_grad, explicit):
+        assert sorted(i for g in plan for i in g) == list(range(len(LENGTHS)))
 
 
 def test_micro_batch_plans():

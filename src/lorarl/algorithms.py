@@ -263,7 +263,7 @@ def policy_loss(
     norm_len: int | None = None,
     mode: str = "vanilla",
     weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip surrogate loss (optionally dual-clip) and its diagnostics.
 
     advantages may be per sequence [B] (GRPO outcome reward) or per token [B, T].
@@ -272,7 +272,9 @@ def policy_loss(
     with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it.
     `weights` [B, T] (detached; e.g. rollout-mismatch importance weights) multiply the per-token loss.
     Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
-    of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip).
+    of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip),
+    as detached 0-dim tensors: reading one waits for the device, so the update reads them once
+    per mini-batch rather than stalling every micro-batch.
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ConfigError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable")
@@ -289,7 +291,7 @@ def policy_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    clipfrac_lower = torch.zeros(())
+    clipfrac_lower = torch.zeros((), device=logp.device)
     if clip_ratio_c is not None:
         cap = -adv * clip_ratio_c
         negative = (adv < 0).expand_as(loss_mat)
@@ -301,10 +303,10 @@ def policy_loss(
     loss = agg_loss(loss_mat, mask, loss_agg_mode, denom, norm_len)
     metrics = {
         # This micro-batch's own mean, comparable across micro-batch sizes (the loss is not).
-        "pg_loss": float(agg_loss(loss_mat.detach(), mask, loss_agg_mode, None, norm_len)),
-        "pg_clipfrac": float(clipfrac),
-        "ppo_kl": float(masked_mean(-(logp - old_logp).detach(), mask)),
-        "pg_clipfrac_lower": float(clipfrac_lower),
+        "pg_loss": agg_loss(loss_mat.detach(), mask, loss_agg_mode, None, norm_len),
+        "pg_clipfrac": clipfrac,
+        "ppo_kl": masked_mean(-(logp - old_logp).detach(), mask),
+        "pg_clipfrac_lower": clipfrac_lower,
     }
     return loss, metrics
 
@@ -316,7 +318,7 @@ def rollout_correction(
     mode: str | None,
     threshold: float = 2.0,
     lower: float | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """Correction for the gap between the sampler's and the trainer's probabilities of the
     sampled tokens: (loss weights or None, the mask to train on, metrics).
 
@@ -324,8 +326,8 @@ def rollout_correction(
     truncated importance weights min(ratio, threshold). token_mask / seq_mask: tokens /
     sequences whose ratio leaves [lower, threshold] are dropped from the loss (lower defaults
     to 1 / threshold). Metrics whatever the mode: kl (k3 estimate of KL(rollout || trainer)
-    over kept response tokens), ratio_max (largest token ratio), masked_frac (response tokens
-    dropped).
+    over kept response tokens), ratio_max (largest token ratio; 1 when nothing is kept),
+    masked_frac (response tokens dropped), as detached 0-dim tensors (see policy_loss).
     """
     if mode is not None and mode not in ROLLOUT_CORRECTIONS:
         raise ConfigError(
@@ -349,10 +351,11 @@ def rollout_correction(
     # k3 of KL(rollout || trainer) from rollout samples: r = log(pi_trainer / pi_rollout).
     k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(min=0.0)  # >= 0; float round-off gives -0.0
     n = keep.sum().clamp(min=1)
+    largest = torch.where(keep, ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device)).amax()
     metrics = {
-        "kl": float(masked_mean(k3, keep)),
-        "ratio_max": float(torch.where(keep, ratio, torch.zeros((), dtype=ratio.dtype)).max()) if keep.any() else 1.0,
-        "masked_frac": float((keep & ~new_mask).sum() / n),
+        "kl": masked_mean(k3, keep),
+        "ratio_max": torch.where(keep.any(), largest, torch.ones_like(largest)),
+        "masked_frac": (keep & ~new_mask).sum() / n,
     }
     return weights, new_mask.to(mask.dtype), metrics
 

@@ -118,6 +118,9 @@ class ActorConfig:
     # true: cut micro-batches by padded tokens (ppo_max_token_len_per_gpu) instead of rows.
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # Token budget of the passes without a backward (old and reference log-probs) under
+    # use_dynamic_bsz. null: twice ppo_max_token_len_per_gpu (they keep no activations).
+    log_prob_max_token_len_per_gpu: int | None = None
     ppo_epochs: int = 1
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -220,6 +223,10 @@ class FSDPBackendConfig:
     # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the training forward and backward
     # (liger-kernel, in the gpu extra). null: on when training on CUDA, off on CPU (Triton).
     liger_kernel: bool | None = None
+    # Shard the frozen base weights too (true), or hold them whole on every device and let FSDP
+    # manage the LoRA weights only (false: no all-gather of the base per micro-batch, the base's
+    # full size on each device). null: shard on 2+ devices or with param_offload, whole on one.
+    shard_frozen_base: bool | None = None
 
 
 @dataclass
@@ -519,6 +526,11 @@ def validate(run: RunConfig) -> None:
         f"actor.ppo_max_token_len_per_gpu={a.ppo_max_token_len_per_gpu} must be > 0",
     )
     _check(
+        a.log_prob_max_token_len_per_gpu is None or a.log_prob_max_token_len_per_gpu > 0,
+        f"actor.log_prob_max_token_len_per_gpu={a.log_prob_max_token_len_per_gpu} must be > 0 (or null: twice "
+        "actor.ppo_max_token_len_per_gpu)",
+    )
+    _check(
         a.use_dynamic_bsz or per_device % a.ppo_micro_batch_size_per_gpu == 0,
         f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} must divide the "
         f"{per_device} sequences each device gets per mini-batch (ppo_mini_batch_size x rollout.n / {'replicas' if mp > 1 else 'devices'})",
@@ -556,6 +568,11 @@ def validate(run: RunConfig) -> None:
         )
     else:
         _one_of("backend.mixed_precision", run.backend.mixed_precision, ("float32", "bfloat16"))
+        _check(
+            not (run.backend.param_offload and run.backend.shard_frozen_base is False),
+            "backend.param_offload=true keeps the sharded base in host memory; set backend.shard_frozen_base=null "
+            "or true, or backend.param_offload=false",
+        )
 
 
 def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:

@@ -26,8 +26,12 @@ from lorarl.sync import PayloadKind, WeightPayload
 
 # loss_fn(micro_batch, log_probs, entropy) -> (loss to backpropagate, metrics). The engine
 # passes the micro-batch as it ran it (on its device, possibly trimmed), so `log_probs`
-# [b, T] lines up with `micro_batch.response_mask`.
-LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, float]]]
+# [b, T] lines up with `micro_batch.response_mask`. Metrics are detached 0-dim tensors on the
+# device: an engine reads them (`read_metrics`) after its last micro-batch, so the host never
+# waits for the device between micro-batches and keeps queueing the next one's kernels.
+LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# The micro-batch's loss, among its metrics: checked for NaN/inf once the values are read.
+LOSS_KEY = "loss"
 # grad: entropy is part of the loss; metric: computed without autograd; none: not computed.
 EntropyMode = Literal["grad", "metric", "none"]
 
@@ -49,7 +53,8 @@ class Engine(Protocol):
     def forward_backward(
         self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
     ) -> list[dict[str, float]]:
-        """Forward, loss_fn, backward for each micro-batch, gradients accumulated; their metrics."""
+        """Forward, loss_fn, backward for each micro-batch, gradients accumulated; their
+        metrics, read after the last micro-batch (`read_metrics`)."""
 
     def optimizer_step(self, step: int) -> float:
         """Clip, step, zero the gradients; the grad norm. A non-finite norm raises TrainingError
@@ -83,15 +88,24 @@ def is_on_policy(run: RunConfig) -> bool:
     return run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
 
 
-def plan_micro_batches(engine: Engine, batch: TrainBatch, run: RunConfig) -> list[list[int]]:
+def log_prob_token_budget(run: RunConfig) -> int:
+    """Padded tokens per forward of a pass without backward: nothing is kept for autograd, so
+    it holds a layer's transient activations and the logits, not every layer's activations."""
+    a = run.actor
+    return a.log_prob_max_token_len_per_gpu or 2 * a.ppo_max_token_len_per_gpu
+
+
+def plan_micro_batches(engine: Engine, batch: TrainBatch, run: RunConfig, *, backward: bool = True) -> list[list[int]]:
     """Row indices per micro-batch: `ppo_micro_batch_size_per_gpu` rows, or with
-    `use_dynamic_bsz` a budget of `ppo_max_token_len_per_gpu` padded tokens. Collective: every
-    data-parallel rank gets the same number of micro-batches (FSDP gathers weights per forward)."""
+    `use_dynamic_bsz` a budget of `ppo_max_token_len_per_gpu` padded tokens
+    (`log_prob_token_budget` for a pass with no backward). Collective: every data-parallel rank
+    gets the same number of micro-batches (FSDP gathers weights per forward)."""
     a = run.actor
     lengths = batch.lengths.tolist()
     if not a.use_dynamic_bsz:
         return micro_batches(lengths, rows=a.ppo_micro_batch_size_per_gpu)
-    groups = micro_batches(lengths, token_budget=a.ppo_max_token_len_per_gpu)
+    budget = a.ppo_max_token_len_per_gpu if backward else log_prob_token_budget(run)
+    groups = micro_batches(lengths, token_budget=budget)
     count = int(engine.dp_all_reduce([len(groups)], op="max")[0])
     return split_to(groups, count, lengths)
 
@@ -119,6 +133,10 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> 
             loss_fn = _ppo_loss(run, denom, step)
             micro = [minibatch.select(g) for g in groups]
             for metrics in engine.forward_backward(micro, loss_fn, entropy_mode):
+                loss = metrics.pop(LOSS_KEY)
+                if not math.isfinite(loss):
+                    # Before the optimizer step: the weights stay as they were.
+                    raise TrainingError(f"step {step}: loss is {loss} (pg {metrics['actor/pg_loss']}); stopping")
                 for k, v in metrics.items():
                     sums.setdefault(k, []).append(v)
             sums.setdefault("actor/padding_frac", []).append(padding_frac(micro))
@@ -162,20 +180,25 @@ def _ppo_loss(run: RunConfig, denom: float, step: int) -> LossFn:
             weights=weights,
         )
         loss = pg_loss
-        metrics.update({f"actor/{k}": float(v) for k, v in pg_metrics.items()})
+        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
                 loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/entropy"] = float(algorithms.masked_mean(entropy.detach(), mask))
+            metrics["actor/entropy"] = algorithms.masked_mean(entropy.detach(), mask)
         if a.use_kl_loss:
             kl = algorithms.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
             loss = loss + a.kl_loss_coef * algorithms.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/kl_loss"] = float(algorithms.masked_mean(kl.detach(), mask))
-        if not torch.isfinite(loss):
-            raise TrainingError(f"step {step}: loss is {float(loss)} (pg {float(pg_loss)}); stopping")
+            metrics["actor/kl_loss"] = algorithms.masked_mean(kl.detach(), mask)
+        metrics[LOSS_KEY] = loss.detach()
         return loss, metrics
 
     return loss_fn
+
+
+def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """The micro-batches' metric tensors as floats, after the last micro-batch is queued: the
+    first read waits for the device to finish, the rest are already there."""
+    return [{k: float(v) for k, v in m.items()} for m in per_micro]
 
 
 def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:

@@ -29,7 +29,14 @@ from torch.distributed.tensor import DTensor
 from lorarl import algorithms
 from lorarl.batch import TrainBatch, position_ids
 from lorarl.config import RunConfig
-from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, plan_micro_batches, ppo_update
+from lorarl.engines.base import (
+    EntropyMode,
+    LossFn,
+    check_grad_norm,
+    plan_micro_batches,
+    ppo_update,
+    read_metrics,
+)
 from lorarl.errors import ConfigError, ModelError, TrainingError, first_line
 from lorarl.sync import PayloadKind, WeightPayload
 
@@ -120,16 +127,47 @@ def decoder_layers(peft_model) -> list[torch.nn.Module]:
     return list(inner.model.layers)
 
 
-def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
+def shard_frozen_base(run: RunConfig, world: int) -> bool:
+    """backend.shard_frozen_base, with null resolved: shard on 2+ devices or with param offload.
+
+    On one device a shard is the whole tensor, and FSDP2 would still copy (and cast) every
+    frozen base weight in and out of its all-gather buffers for each micro-batch's forward and
+    backward: 0.41 s of a 3.17 s update at 7B on one H200, plus a launch per tensor."""
+    b = run.backend
+    if b.shard_frozen_base is not None:
+        return b.shard_frozen_base
+    return world > 1 or b.param_offload
+
+
+def shard(
+    peft_model, mesh, device: torch.device, shard_base: bool, compute_dtype: torch.dtype | None = None, **fsdp_kwargs
+):
     """fully_shard every decoder layer, then the root; then one token through it, adapter on.
+
+    With `shard_base` false the frozen base is left out of FSDP (`ignored_params`): it moves
+    to the device once, already in the compute dtype (the cast FSDP's mixed precision would
+    repeat per forward; frozen, so once is the same math), and FSDP manages the LoRA weights
+    only: sharded, gathered per forward, their gradients reduced.
 
     FSDP2 fixes each unit's gradient dtypes at the root's first forward, from the parameters
     that require grad at that moment. PEFT's disable_adapter() switches requires_grad off, so a
     first forward for reference log-probs left the float32 LoRA weights with bf16 gradients,
     which torch refuses to assign (seen on GPU with KL loss before any update)."""
+    frozen: set[torch.nn.Parameter] | None = None
+    if not shard_base:
+        frozen = {p for p in peft_model.parameters() if not p.requires_grad}
+        with torch.no_grad():
+            for p in frozen:
+                p.data = p.data.to(device, dtype=compute_dtype or p.dtype)
+        for b in peft_model.buffers():
+            b.data = b.data.to(device)
+
+    def own_frozen(module: torch.nn.Module) -> set[torch.nn.Parameter] | None:
+        return None if frozen is None else {p for p in module.parameters() if p in frozen}
+
     for layer in decoder_layers(peft_model):
-        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
-    fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
+        fully_shard(layer, mesh=mesh, ignored_params=own_frozen(layer), **fsdp_kwargs)
+    fully_shard(peft_model, mesh=mesh, ignored_params=frozen, **fsdp_kwargs)
     with torch.no_grad():
         peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return peft_model
@@ -152,7 +190,7 @@ class FSDPEngine:
         if on_gpu and (b.param_offload or b.optimizer_offload):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
-        self.model = shard(peft_model, mesh, device, **kwargs)
+        self.model = shard(peft_model, mesh, device, shard_frozen_base(run, self.world), mp.param_dtype, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
         self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
@@ -194,19 +232,23 @@ class FSDPEngine:
 
     # ---- forward -------------------------------------------------------------------------
 
-    def _forward(
-        self, mb: TrainBatch, temperature: float, entropy: EntropyMode
-    ) -> tuple[TrainBatch, torch.Tensor, torch.Tensor | None]:
-        """(the micro-batch as run, log-probs [b, T], entropy [b, T] or None).
+    def _prepare(self, mb: TrainBatch) -> tuple[TrainBatch, int]:
+        """The micro-batch without its all-padding columns, on the device, and the first column
+        whose logits score a response token; found on the host, before the copy."""
+        mb = mb.trimmed()
+        cols = mb.response_mask.bool().any(0).nonzero()
+        first = int(cols[0]) if cols.numel() else mb.input_ids.shape[1] - 2
+        return mb.to(self.device), first
 
-        Columns that are padding in every row are dropped, and the LM head runs only from the
-        first column that predicts a response token: at a 152k vocabulary the head is a large
+    def _forward(
+        self, mb: TrainBatch, first: int, temperature: float, entropy: EntropyMode
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs [b, T], entropy [b, T] or None) of a prepared micro-batch.
+
+        The LM head runs only from column `first`: at a 152k vocabulary the head is a large
         share of the forward, and its logits the largest activation.
         """
-        mb = mb.trimmed().to(self.device)
         ids, attn = mb.input_ids, mb.attention_mask
-        cols = mb.response_mask.bool().any(0).nonzero()
-        first = int(cols[0]) if cols.numel() else ids.shape[1] - 2
         out = self.model(
             input_ids=ids,
             attention_mask=attn,
@@ -221,7 +263,12 @@ class FSDPEngine:
         if entropy == "grad":
             ent = algorithms.entropy_from_logits(out.logits[:, :-1], temperature)
         logp = F.pad(logp, (first, 0))
-        return mb, logp, None if ent is None else F.pad(ent, (first, 0))
+        return logp, None if ent is None else F.pad(ent, (first, 0))
+
+    # Both passes below copy every micro-batch to the device before the first forward and read
+    # results back after the last: a copy from pageable host memory, or a read of a device
+    # value, makes the host wait for the device, and the GPU then idles while the host queues
+    # the next micro-batch's kernels.
 
     @torch.no_grad()
     def log_probs(
@@ -231,14 +278,16 @@ class FSDPEngine:
         `reference=True` runs the base with the adapter disabled."""
         self.model.eval()
         temp = self.temperature if temperature is None else temperature
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        groups = plan_micro_batches(self, batch, self.run, backward=False)
+        micro = [batch.select(rows) for rows in groups]
+        prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
-            for rows in plan_micro_batches(self, batch, self.run):
-                mb = batch.select(rows)
-                first, last = mb.trim_span()
-                _, logp, _ = self._forward(mb, temp, entropy="none")
-                out[rows, first : last - 1] = logp.float().cpu()
+            results = [self._forward(mb, first, temp, entropy="none")[0] for mb, first in prepared]
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        for rows, mb, logp in zip(groups, micro, results, strict=True):
+            first, last = mb.trim_span()
+            out[rows, first : last - 1] = logp.float().cpu()
         return out
 
     # ---- update --------------------------------------------------------------------------
@@ -250,15 +299,16 @@ class FSDPEngine:
         self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
     ) -> list[dict[str, float]]:
         self.model.train()
+        prepared = [self._prepare(mb) for mb in micro]
         metrics = []
-        for i, mb in enumerate(micro):
+        for i, (mb, first) in enumerate(prepared):
             # Reduce-scatter the gradients once, after the last micro-batch.
-            self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            ran, logp, ent = self._forward(mb, self.temperature, entropy)
-            loss, m = loss_fn(ran, logp, ent)
+            self.model.set_requires_gradient_sync(i == len(prepared) - 1)
+            logp, ent = self._forward(mb, first, self.temperature, entropy)
+            loss, m = loss_fn(mb, logp, ent)
             loss.backward()
             metrics.append(m)
-        return metrics
+        return read_metrics(metrics)
 
     def optimizer_step(self, step: int) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.run.actor.grad_clip)

@@ -25,7 +25,14 @@ import torch
 
 from lorarl.batch import TrainBatch
 from lorarl.config import RunConfig
-from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, plan_micro_batches, ppo_update
+from lorarl.engines.base import (
+    EntropyMode,
+    LossFn,
+    check_grad_norm,
+    plan_micro_batches,
+    ppo_update,
+    read_metrics,
+)
 from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
@@ -317,7 +324,7 @@ class MegatronEngine:
         temp = self.temperature if temperature is None else temperature
         check_right_padded(batch.attention_mask)
         dev = torch.device("cuda", torch.cuda.current_device())
-        groups = plan_micro_batches(self, batch, self.run)
+        groups = plan_micro_batches(self, batch, self.run, backward=False)
         micro = [batch.select(g).to(dev) for g in groups]
         ids = [self._padded(m.input_ids) for m in micro]
         length = batch.input_ids.shape[1]
@@ -370,7 +377,9 @@ class MegatronEngine:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = self._run([self._padded(p.input_ids) for p in parts], megatron_loss, forward_only=False)
+        outs = read_metrics(
+            list(self._run([self._padded(p.input_ids) for p in parts], megatron_loss, forward_only=False))
+        )
         if self.pp > 1:
             import torch.distributed as dist
 
