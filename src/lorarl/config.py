@@ -223,10 +223,6 @@ class FSDPBackendConfig:
     # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the training forward and backward
     # (liger-kernel, in the gpu extra). null: on when training on CUDA, off on CPU (Triton).
     liger_kernel: bool | None = None
-    # Shard the frozen base weights too (true), or hold them whole on every device and let FSDP
-    # manage the LoRA weights only (false: no all-gather of the base per micro-batch, the base's
-    # full size on each device). null: shard on 2+ devices or with param_offload, whole on one.
-    shard_frozen_base: bool | None = None
 
 
 @dataclass
@@ -568,11 +564,6 @@ def validate(run: RunConfig) -> None:
         )
     else:
         _one_of("backend.mixed_precision", run.backend.mixed_precision, ("float32", "bfloat16"))
-        _check(
-            not (run.backend.param_offload and run.backend.shard_frozen_base is False),
-            "backend.param_offload=true keeps the sharded base in host memory; set backend.shard_frozen_base=null "
-            "or true, or backend.param_offload=false",
-        )
 
 
 def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:

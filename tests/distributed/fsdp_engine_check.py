@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): checks of the FSDP2 engine that need real shards.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/distributed/fsdp_engine_check.py MODEL OUT [OVERRIDE ...]
+    python -m torch.distributed.run --nproc_per_node=2 tests/distributed/fsdp_engine_check.py MODEL OUT
 
 Sets every LoRA weight to a seeded random value (same full tensors at any world size), then
 writes to OUT (rank 0): the adapter gathered three ways, the base stream, the merged
@@ -27,7 +27,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
-def make_run(model_path: str, world: int, merge: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:
+def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
     return compose(
         [
             "+backend=fsdp",
@@ -47,7 +47,6 @@ def make_run(model_path: str, world: int, merge: bool = False, overrides: tuple[
             f"trainer.n_gpus_per_node={world}",
             "trainer.device=cpu",
             "backend.mixed_precision=bfloat16",
-            *overrides,
         ]
     )
 
@@ -62,11 +61,11 @@ def randomize_lora(engine: FSDPEngine) -> None:
     engine.load_state(values, optimizer=None, scheduler=None)
 
 
-def main(model_path: str, out: str, *overrides: str) -> None:
+def main(model_path: str, out: str) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     out_dir = Path(out)
-    engine = FSDPEngine(make_run(model_path, world, overrides=overrides), torch.device("cpu"))
+    engine = FSDPEngine(make_run(model_path, world), torch.device("cpu"))
     randomize_lora(engine)
 
     adapters, timings = {}, {}
@@ -90,7 +89,7 @@ def main(model_path: str, out: str, *overrides: str) -> None:
     after, _ = engine.export(PayloadKind.ADAPTER)
     after = dict(after.tensors)
 
-    merged_engine = FSDPEngine(make_run(model_path, world, merge=True, overrides=overrides), torch.device("cpu"))
+    merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
     randomize_lora(merged_engine)
     merged_payload, _ = merged_engine.export(PayloadKind.BASE)
     merged = dict(merged_payload.tensors)
@@ -120,4 +119,4 @@ def main(model_path: str, out: str, *overrides: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1], sys.argv[2])

@@ -127,47 +127,16 @@ def decoder_layers(peft_model) -> list[torch.nn.Module]:
     return list(inner.model.layers)
 
 
-def shard_frozen_base(run: RunConfig, world: int) -> bool:
-    """backend.shard_frozen_base, with null resolved: shard on 2+ devices or with param offload.
-
-    On one device a shard is the whole tensor, and FSDP2 would still copy (and cast) every
-    frozen base weight in and out of its all-gather buffers for each micro-batch's forward and
-    backward: 0.41 s of a 3.17 s update at 7B on one H200, plus a launch per tensor."""
-    b = run.backend
-    if b.shard_frozen_base is not None:
-        return b.shard_frozen_base
-    return world > 1 or b.param_offload
-
-
-def shard(
-    peft_model, mesh, device: torch.device, shard_base: bool, compute_dtype: torch.dtype | None = None, **fsdp_kwargs
-):
+def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
     """fully_shard every decoder layer, then the root; then one token through it, adapter on.
-
-    With `shard_base` false the frozen base is left out of FSDP (`ignored_params`): it moves
-    to the device once, already in the compute dtype (the cast FSDP's mixed precision would
-    repeat per forward; frozen, so once is the same math), and FSDP manages the LoRA weights
-    only: sharded, gathered per forward, their gradients reduced.
 
     FSDP2 fixes each unit's gradient dtypes at the root's first forward, from the parameters
     that require grad at that moment. PEFT's disable_adapter() switches requires_grad off, so a
     first forward for reference log-probs left the float32 LoRA weights with bf16 gradients,
     which torch refuses to assign (seen on GPU with KL loss before any update)."""
-    frozen: set[torch.nn.Parameter] | None = None
-    if not shard_base:
-        frozen = {p for p in peft_model.parameters() if not p.requires_grad}
-        with torch.no_grad():
-            for p in frozen:
-                p.data = p.data.to(device, dtype=compute_dtype or p.dtype)
-        for b in peft_model.buffers():
-            b.data = b.data.to(device)
-
-    def own_frozen(module: torch.nn.Module) -> set[torch.nn.Parameter] | None:
-        return None if frozen is None else {p for p in module.parameters() if p in frozen}
-
     for layer in decoder_layers(peft_model):
-        fully_shard(layer, mesh=mesh, ignored_params=own_frozen(layer), **fsdp_kwargs)
-    fully_shard(peft_model, mesh=mesh, ignored_params=frozen, **fsdp_kwargs)
+        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
+    fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
     with torch.no_grad():
         peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return peft_model
@@ -190,7 +159,7 @@ class FSDPEngine:
         if on_gpu and (b.param_offload or b.optimizer_offload):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
-        self.model = shard(peft_model, mesh, device, shard_frozen_base(run, self.world), mp.param_dtype, **kwargs)
+        self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
         self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
