@@ -7,10 +7,10 @@ The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22
 present as in a real run. Each variant (Hydra overrides on the shape's model preset) builds its
 own engine and times `engine.update` (median of --repeats after --warmup), with its MFU as
 bench.gpu_step counts it, and the reference pass (`engine.log_probs(reference=True)`, the
-KL loss's extra forward); the last variant's update is then profiled once with torch.profiler. Put `backend.liger_kernel=false` first when comparing:
-Liger patches transformers' Qwen modules for the whole process, so engines built after a
-Liger one get its kernels too. `--reserve-gib` holds that much GPU memory the whole
-time, as the awake vLLM engine does in a colocated run.
+KL loss's extra forward); the last variant's update is then profiled once with torch.profiler.
+Put `backend.liger_kernel=false` first when comparing: Liger patches transformers' Qwen modules
+for the whole process, so engines built after a Liger one get its kernels too. `--reserve-gib`
+holds that much GPU memory the whole time, as the awake vLLM engine does in a colocated run.
 
 Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
 DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by CPU time).
@@ -63,29 +63,24 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_reference(engine: FSDPEngine, batch, warmup: int, repeats: int) -> list[float]:
-    out = []
+def timed(call, warmup: int, repeats: int) -> tuple[list[float], object]:
+    """(seconds of each timed call(k), the last call's result); k counts from 1, warm-up included."""
+    out, result = [], None
     for k in range(warmup + repeats):
         synchronize()
         t0 = time.perf_counter()
-        engine.log_probs(batch, reference=True)
+        result = call(k + 1)
         synchronize()
         if k >= warmup:
             out.append(time.perf_counter() - t0)
-    return out
+    return out, result
 
 
-def time_updates(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[list[float], dict]:
-    """(seconds of each timed update, the last update's metrics)."""
-    out, metrics = [], {}
-    for k in range(warmup + repeats):
-        synchronize()
-        t0 = time.perf_counter()
-        metrics = engine.update(batch, step=k + 1)
-        synchronize()
-        if k >= warmup:
-            out.append(time.perf_counter() - t0)
-    return out, metrics
+def time_variant(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
+    """(update seconds, the last update's metrics, reference-pass seconds)."""
+    updates, metrics = timed(lambda k: engine.update(batch, step=k), warmup, repeats)
+    reference, _ = timed(lambda _: engine.log_probs(batch, reference=True), 1, repeats)
+    return updates, metrics, reference
 
 
 def main() -> None:
@@ -144,8 +139,7 @@ def main() -> None:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         retries0 = stats().get("num_alloc_retries", 0)
-        samples, metrics = time_updates(engine, batch, args.warmup, args.repeats)
-        reference = time_reference(engine, batch, 1, args.repeats)
+        samples, metrics, reference = time_variant(engine, batch, args.warmup, args.repeats)
         tokens = int(batch.attention_mask.sum())
         row = {
             "variant": spec,
