@@ -14,11 +14,14 @@ holds that much GPU memory the whole time, as the awake vLLM engine does in a co
 
 Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
 DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by CPU time).
+With --trace-syncs the JSON also counts where one more update made the host wait for the device
+(torch.cuda.set_sync_debug_mode), by Python call site.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -83,6 +86,32 @@ def time_variant(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[
     return updates, metrics, reference
 
 
+def trace_syncs(engine: FSDPEngine, batch) -> dict[str, int]:
+    """Synchronizing calls of one update, counted by call site: the innermost frame and the two
+    innermost outside torch. torch warns at each one in sync debug mode; a wait inside the
+    backward (autograd's own thread) has no Python caller and is not counted here."""
+    import traceback
+    import warnings
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        ours = [f for f in stack if "/torch/" not in f.filename][-2:]
+        where = [f"{Path(f.filename).name}:{f.lineno}" for f in (stack[-1], *reversed(ours))]
+        sites[" < ".join(where)] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.update(batch, step=101)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common(40))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(PRESETS), default="0.5b")
@@ -94,6 +123,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--kl", action="store_true", help="a reference log-prob tensor and the KL loss")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument("--trace-syncs", action="store_true", help="count one update's host waits by call site (cuda)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -170,6 +200,8 @@ def main() -> None:
     cuda_total = sum(e.self_device_time_total for e in events) / 1e6
     result["profiled_wall_s"] = wall
     result["profiled_kernel_s"] = cuda_total
+    if args.trace_syncs and on_gpu:
+        result["syncs"] = trace_syncs(engine, batch)
     text = [f"profiled update wall {wall:.3f} s, kernel time (sum of self device time) {cuda_total:.3f} s"]
     text.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
     text.append(events.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))

@@ -147,3 +147,10 @@ def test_reference_pass_first_keeps_float32_lora_gradients(tiny_model_path):
     requires_grad off, so a reference pass first used to leave bf16 gradients on float32 LoRA
     weights (a GPU run with KL loss stopped at its first backward). Mixed precision as on GPU."""
     torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_mixed_precision_check.py")
+
+
+def test_compiled_layers_compute_what_eager_layers_do(tiny_model_path):
+    """backend.compile=true (torch.compile per decoder layer, before FSDP) against the eager
+    engine: reference pass, two updates and the log-probs after them, on micro-batches of
+    different shapes, with no graph break."""
+    torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_compile_check.py")

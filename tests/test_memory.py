@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lorarl.memory import GIB, ModelDims, layer_activation_bytes, plan_sleep, update_bytes
+from lorarl.memory import GIB, ModelDims, layer_activation_bytes, plan_from_peak, plan_sleep, update_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -79,6 +79,31 @@ def test_sleep_plan():
     assert not awake.sleeps and "stays awake" in str(awake) and "80.0 GiB free" in str(awake)
     # The margin: 60 GiB needed is 77 GiB with it, so 70 free is not enough.
     assert plan_sleep(None, free_bytes=70 * GIB, need_bytes=60 * GIB).sleeps
+
+
+def test_a_measured_peak_decides_again():
+    # The 7B update at an 8192-token budget peaked at ~59 GiB with 76 GiB free beside the awake
+    # engine (bench/results/update_profile_2026-12-02b), where the estimate, 67.9 GiB and 86.8
+    # with its margin, has the engine sleep.
+    plan = plan_from_peak(76 * GIB, 59 * GIB, tokens=8100, max_tokens=8192)
+    assert not plan.sleeps and "peaked at 59.0 GiB" in str(plan) and "76.0 GiB free" in str(plan)
+    # A peak from smaller micro-batches is scaled to the largest the run allows: 30 GiB at 4096
+    # tokens is 60 at 8192, 68 with the margin.
+    assert plan_from_peak(67 * GIB, 30 * GIB, tokens=4096, max_tokens=8192).sleeps
+    assert not plan_from_peak(69 * GIB, 30 * GIB, tokens=4096, max_tokens=8192).sleeps
+    # One sequence longer than the budget makes a larger micro-batch; it is not scaled down.
+    assert plan_from_peak(34 * GIB, 30 * GIB, tokens=9000, max_tokens=8192).sleeps  # 35 GiB with margin
+
+
+def test_the_largest_micro_batch_a_run_allows():
+    from lorarl.config import compose
+    from lorarl.memory import run_update_tokens
+
+    budget = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
+    assert run_update_tokens(budget, dp_size=1) == 4096
+    seq = budget.data.max_prompt_length + budget.data.max_response_length
+    rows = compose(["+backend=fsdp", "actor.ppo_micro_batch_size_per_gpu=8"])
+    assert run_update_tokens(rows, dp_size=1) == 8 * seq
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,8 @@ def test_metrics_and_token_budget_micro_batches():
     # 8 rows of 4-11 real tokens in a budget of 24 padded tokens: several micro-batches, no row dropped.
     assert sum(policy.micro_sizes[0]) == 8 and metrics["actor/micro_batches"] == len(policy.micro_sizes[0]) > 1
     assert 0.0 <= metrics["actor/padding_frac"] < 1.0
+    # The largest micro-batch, in the padded tokens its forward computes: within the budget.
+    assert 4 <= metrics["actor/micro_batch_tokens_max"] <= 24
 
 
 def test_padding_frac_counts_what_the_forward_computes():

@@ -108,12 +108,15 @@ def padding_frac(micro: list[TrainBatch]) -> float:
     """Share of the positions that forward passes over `micro` compute that are padding (columns
     padding in every row are trimmed first, as the engines do): what packing the sequences of a
     micro-batch into one row would save."""
-    positions = real = 0
-    for mb in micro:
-        first, last = mb.trim_span()
-        positions += len(mb) * (last - first)
-        real += int(mb.attention_mask.sum())
+    positions = sum(padded_tokens(mb) for mb in micro)
+    real = sum(int(mb.attention_mask.sum()) for mb in micro)
     return 1.0 - real / positions if positions else 0.0
+
+
+def padded_tokens(mb: TrainBatch) -> int:
+    """Positions a forward over `mb` computes: its rows times its columns once trimmed."""
+    first, last = mb.trim_span()
+    return len(mb) * (last - first)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

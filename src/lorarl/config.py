@@ -221,8 +221,12 @@ class FSDPBackendConfig:
     # float32 or bfloat16: dtype of the all-gathered params during compute (GPU).
     mixed_precision: str = "bfloat16"
     # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the training forward and backward
-    # (liger-kernel, in the gpu extra). null: on when training on CUDA, off on CPU (Triton).
+    # (liger-kernel, in the gpu extra). null: on when training on CUDA and not compiled, off on
+    # CPU (Triton).
     liger_kernel: bool | None = None
+    # torch.compile each decoder layer (regional compilation: one compiled graph serves every
+    # layer; fewer, fused kernels and less host work per layer).
+    compile: bool = False
 
 
 @dataclass

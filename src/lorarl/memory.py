@@ -6,7 +6,10 @@ vLLM's level-1 sleep copies the base to host RAM and back every step (0.77 s of 
 and sleeps only when it does not. The estimate is deliberately generous (what autograd keeps
 per token and layer in a Qwen2/Qwen3 decoder, the LM head's logits, the LoRA optimizer
 state) and a margin is added: a wrong "awake" is an out-of-memory error, a wrong "sleep" only
-costs the time it costs today.
+costs the time it costs today. Once an update has run asleep, its measured peak decides again
+(`plan_from_peak`): at 7B the estimate is ~15% above what the update allocates, and that margin
+alone put the engine to sleep at a token budget where the update fit beside it with 17 GiB
+to spare (bench/results/update_profile_2026-12-02b).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 GIB = 1 << 30
 MARGIN_FACTOR = 1.25  # allocator fragmentation and what the estimate leaves out
 MARGIN_BYTES = 2 * GIB  # CUDA/NCCL workspaces, the probe's forwards, the payload copies
+MEASURED_MARGIN_FACTOR = 1.1  # allocator fragmentation over a peak that was measured
 
 
 @dataclass(frozen=True)
@@ -93,16 +97,22 @@ def update_bytes(
     return (activations + logits) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
 
 
-def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) -> int:
-    """`update_bytes` for a run's largest micro-batch on one device (`run` a RunConfig): the token
+def run_update_tokens(run, dp_size: int) -> int:
+    """Padded tokens of a run's largest possible update micro-batch (`run` a RunConfig): the token
     budget, or the micro-batch's rows at the longest prompt + response the data allows."""
     a, d = run.actor, run.data
     seq = d.max_prompt_length + d.max_response_length
     if a.use_dynamic_bsz:
-        tokens = max(a.ppo_max_token_len_per_gpu, seq)
-    else:
-        rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // dp_size)
-        tokens = min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
+        return max(a.ppo_max_token_len_per_gpu, seq)
+    rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // dp_size)
+    return min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
+
+
+def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) -> int:
+    """`update_bytes` for a run's largest micro-batch on one device (`run_update_tokens`)."""
+    d = run.data
+    seq = d.max_prompt_length + d.max_response_length
+    tokens = run_update_tokens(run, dp_size)
     return update_bytes(
         dims,
         tokens=tokens,
@@ -134,4 +144,21 @@ def plan_sleep(setting: bool | None, free_bytes: int = 0, need_bytes: int = 0) -
         not fits,
         f"{free_bytes / GIB:.1f} GiB free beside the awake engine, the update needs ~{need_bytes / GIB:.1f} GiB "
         f"({want / GIB:.1f} with margin); rollout.free_cache_engine=true/false overrides",
+    )
+
+
+def plan_from_peak(free_bytes: int, peak_bytes: int, tokens: int, max_tokens: int) -> SleepPlan:
+    """The plan from an update that ran: `peak_bytes` it allocated beyond what was there before
+    (log-prob passes included), with `tokens` padded positions in its largest micro-batch, scaled
+    to the largest micro-batch the run allows (`max_tokens`, run_update_tokens). Activations and
+    logits grow with the tokens; what does not (the LoRA optimizer state) only adds to the
+    scaled need, so the scaling errs towards sleeping."""
+    need = peak_bytes * max(max_tokens, tokens) / max(tokens, 1)
+    want = MEASURED_MARGIN_FACTOR * need + MARGIN_BYTES
+    fits = free_bytes >= want
+    return SleepPlan(
+        not fits,
+        f"{free_bytes / GIB:.1f} GiB free beside the awake engine; the last update peaked at "
+        f"{peak_bytes / GIB:.1f} GiB over micro-batches of up to {tokens} tokens, ~{need / GIB:.1f} GiB at "
+        f"{max(max_tokens, tokens)} ({want / GIB:.1f} with margin); rollout.free_cache_engine=true/false overrides",
     )

@@ -189,6 +189,8 @@ class GRPOTrainer:
                     metrics["timing/save"] = self.save_checkpoint()
             except LorarlError as err:
                 raise type(err)(self._stopped_at(err)) from err
+            if plan := metrics.pop("rollout/sleep_plan", None):
+                say(f"step {self.step}: from the next step the {plan}")
             self.tracker.log(metrics, step=self.step)
             last_reward = metrics["reward/mean"]
             bar.update(1)

@@ -45,6 +45,8 @@ class Worker:
         self.rollout = None
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
         self.sleep_plan = SleepPlan(False, "not set up")
+        self._free_awake = 0  # bytes free beside the awake engine, measured in setup (GPU)
+        self._update_peak: tuple[int, int] | None = None  # (bytes, largest micro-batch's tokens)
 
     # Ray calls these on every worker before anything else.
     def location(self) -> dict:
@@ -152,7 +154,26 @@ class Worker:
             return plan_sleep(setting)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        self._free_awake = free
         return plan_sleep(None, free, self._update_bytes())
+
+    def _replan_sleep(self) -> dict:
+        """After an update that ran with the rollout asleep on the estimate's word: awake from the
+        next update on if the update's measured peak fits beside the awake engine
+        (memory.plan_from_peak). Collective, because all ranks must agree (the ranks of one
+        engine sleep together): one that does not fit keeps every rank's plan as it was."""
+        measured, self._update_peak = self._update_peak, None
+        if measured is None or self.device.type != "cuda" or self.run.rollout.free_cache_engine is not None:
+            return {}
+        plan = self.sleep_plan
+        if plan.sleeps:
+            plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
+        fits = torch.tensor([0.0 if plan.sleeps else 1.0], device=self.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if fits.item() < 1.0 or plan is self.sleep_plan:
+            return {}
+        self.sleep_plan = plan
+        return {"rollout/sleep_plan": str(plan)}
 
     def _update_bytes(self) -> int:
         from transformers import AutoConfig
@@ -194,7 +215,10 @@ class Worker:
         mini-batches); reference log-probs only when the KL loss uses them. The probe's
         sequences are set apart (`set_probe`, per rollout engine).
         """
-        timing = {"timing/sleep": self.sleep()}
+        timing = {"timing/sleep": self.sleep(), "rollout/sleeps": float(self._sleeps)}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         batch = build_batch(
             prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
         )
@@ -210,7 +234,10 @@ class Worker:
         metrics = self.engine.update(batch, step)
         timing["timing/update"] = time.perf_counter() - t0
         if self.device.type == "cuda":
-            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            self._update_peak = (peak, int(metrics["actor/micro_batch_tokens_max"]))
+            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["memory/update_peak_gib"] = peak / 2**30
         return {**metrics, **timing}
 
     # ---- sync ----------------------------------------------------------------------------
@@ -262,6 +289,8 @@ class Worker:
             t0 = time.perf_counter()
             out.update(self.probe())
             out["sync/probe_seconds"] = time.perf_counter() - t0
+        # Awake again here, so a changed plan takes effect at the next update's sleep.
+        out.update(self._replan_sleep())
         return out
 
     def _apply(self, payload, gather_s: float) -> SyncStats:

@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, micro_batches, padding_frac, split_to
+from lorarl.batch import TrainBatch, micro_batches, padded_tokens, padding_frac, split_to
 from lorarl.config import RunConfig
 from lorarl.errors import TrainingError
 from lorarl.sync import PayloadKind, WeightPayload
@@ -146,6 +146,8 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> 
             sums.setdefault("actor/padding_frac", []).append(padding_frac(micro))
             sums.setdefault("actor/grad_norm", []).append(engine.optimizer_step(step))
             sums.setdefault("actor/micro_batches", []).append(len(groups))
+            # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
+            sums.setdefault("actor/micro_batch_tokens_max", []).append(max(padded_tokens(m) for m in micro))
     result = reduce_metrics(sums)
     result["actor/lr"] = engine.end_step()
     return result

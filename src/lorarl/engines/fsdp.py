@@ -88,10 +88,11 @@ def load_lora_model(run: RunConfig, device: torch.device):
 
 
 def use_liger_kernel(run: RunConfig, device: torch.device) -> bool:
-    """backend.liger_kernel, with null resolved: on when training on CUDA (Triton kernels)."""
+    """backend.liger_kernel, with null resolved: on when training on CUDA (Triton kernels) and
+    the layers are not compiled (the compiler fuses the same elementwise work itself)."""
     want = run.backend.liger_kernel
     if want is None:
-        return device.type == "cuda"
+        return device.type == "cuda" and not run.backend.compile
     if want and device.type != "cuda":
         raise ConfigError(
             f"backend.liger_kernel=true needs CUDA (Triton kernels), but training runs on {device.type}; "
@@ -127,6 +128,15 @@ def decoder_layers(peft_model) -> list[torch.nn.Module]:
     return list(inner.model.layers)
 
 
+def compile_layers(peft_model) -> None:
+    """torch.compile every decoder layer (LoRA linears included) in place, which keeps the
+    parameter names. The layers share one compiled graph (modules are graph inputs, not
+    constants), compiled for dynamic shapes since every micro-batch has its own rows and length.
+    Called before `shard`: FSDP's hooks run around the compiled call, not inside it."""
+    for layer in decoder_layers(peft_model):
+        layer.compile(dynamic=True)
+
+
 def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
     """fully_shard every decoder layer, then the root; then one token through it, adapter on.
 
@@ -159,6 +169,8 @@ class FSDPEngine:
         if on_gpu and (b.param_offload or b.optimizer_offload):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
+        if b.compile:
+            compile_layers(peft_model)
         self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
