@@ -36,8 +36,12 @@ def passes(model: str, compiled: bool) -> list[torch.Tensor]:
     engine = FSDPEngine(run, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     # Rows of different prompt and response lengths: micro-batches of different shapes.
-    prompts = [torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(2, 9, (16,), generator=gen)]
-    responses = [torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (16,), generator=gen)]
+    prompts = [
+        torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(2, 9, (16,), generator=gen)
+    ]
+    responses = [
+        torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (16,), generator=gen)
+    ]
     batch = build_batch(
         prompts, responses, engine.pad_token_id, torch.randn(16, generator=gen).tolist(), engine.left_pad_prompts
     )
@@ -54,7 +58,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     eager = passes(sys.argv[1], compiled=False)
     compiled = passes(sys.argv[1], compiled=True)
-    for name, a, b in zip(("reference", "policy", "update metrics", "policy after update"), eager, compiled, strict=True):
+    for name, a, b in zip(
+        ("reference", "policy", "update metrics", "policy after update"), eager, compiled, strict=True
+    ):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
