@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.test_grpo_gpu import GPU_CASES, check_result
+from tests.gpu.test_sleep_plan_gpu import check_summary as check_sleep_plan
 from tests.gpu.test_sync_checks_gpu import check_7b_summary
 
 RUN = Path(__file__).parent / "gpu_logs" / "grpo_loop" / "run3_2026-11-30T1008"
@@ -41,3 +42,11 @@ def test_committed_7b_sync_check_run_passes_its_gpu_checks():
         (Path(__file__).parent / "gpu_logs" / "sync_checks" / "grpo_7b_adapter_graphs_20steps.json").read_text()
     )
     check_7b_summary(summary)
+
+
+def test_committed_sleep_plan_run_passes_its_gpu_checks():
+    """tests/gpu/test_sleep_plan_gpu.py on one H200 (0.5B shape, vLLM at 55%): asleep for step 1 on
+    the estimate (54.1 GiB), awake from step 2 on the measured peak (36.3 GiB)."""
+    check_sleep_plan(
+        json.loads((Path(__file__).parent / "gpu_logs" / "sleep_plan" / "sleep_plan_0.5b.json").read_text())
+    )

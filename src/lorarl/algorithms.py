@@ -335,7 +335,7 @@ def rollout_correction(
         )
     lower = 1.0 / threshold if lower is None else lower
     keep = mask.bool()
-    log_ratio = torch.where(keep, old_logp - rollout_logp, torch.zeros((), dtype=old_logp.dtype)).detach()
+    log_ratio = torch.where(keep, old_logp - rollout_logp, old_logp.new_zeros(())).detach()
     log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     seq_ratio = torch.exp(log_ratio.sum(-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).unsqueeze(-1).expand_as(ratio)

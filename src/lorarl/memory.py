@@ -7,9 +7,10 @@ and sleeps only when it does not. The estimate is deliberately generous (what au
 per token and layer in a Qwen2/Qwen3 decoder, the LM head's logits, the LoRA optimizer
 state) and a margin is added: a wrong "awake" is an out-of-memory error, a wrong "sleep" only
 costs the time it costs today. Once an update has run asleep, its measured peak decides again
-(`plan_from_peak`): at 7B the estimate is ~15% above what the update allocates, and that margin
-alone put the engine to sleep at a token budget where the update fit beside it with 17 GiB
-to spare (bench/results/update_profile_2026-12-02b).
+(`plan_from_peak`): on one H200 the estimate was 15% above the measured peak at 7B (an
+8192-token budget, where the margin alone put the engine to sleep though the update fit beside
+it with 17 GiB to spare) and 49% above it at 0.5B (54.1 against 36.3 GiB,
+tests/gpu_logs/sleep_plan).
 """
 
 from __future__ import annotations
