@@ -119,3 +119,10 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
     dims = ModelDims.of(Qwen2Config(**SHAPES[shape]))
     assert run_update_bytes(run, dims, dp_size=1, model_parallel=1) / GIB == pytest.approx(gib, abs=0.05)
+
+
+def test_the_switch_to_awake_needs_every_rank():
+    """The measured plan wakes the rollout only when every rank's update fits (two gloo ranks)."""
+    from tests.test_fsdp_engine import ROOT, torchrun
+
+    torchrun(2, script=ROOT / "tests" / "distributed" / "all_ranks_check.py", timeout=120)

@@ -33,6 +33,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def all_ranks(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of the job (collective: every rank calls it)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() == 1.0
+
+
 class Worker:
     def __init__(self, run: RunConfig, rank: int, world_size: int, device: str, threads: int | None = None):
         self.run = run
@@ -168,9 +175,7 @@ class Worker:
         plan = self.sleep_plan
         if plan.sleeps:
             plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
-        fits = torch.tensor([0.0 if plan.sleeps else 1.0], device=self.device)
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        if fits.item() < 1.0 or plan is self.sleep_plan:
+        if not all_ranks(not plan.sleeps, self.device) or plan is self.sleep_plan:
             return {}
         self.sleep_plan = plan
         return {"rollout/sleep_plan": str(plan)}
