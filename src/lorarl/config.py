@@ -225,7 +225,8 @@ class FSDPBackendConfig:
     # CPU (Triton).
     liger_kernel: bool | None = None
     # torch.compile each decoder layer (regional compilation: one compiled graph serves every
-    # layer; fewer, fused kernels and less host work per layer).
+    # layer; fewer, fused kernels and less host work per layer). Off: at 7B on one H200 it did
+    # not speed the update (bench/results/update_profile_2026-12-02c).
     compile: bool = False
 
 
