@@ -351,7 +351,7 @@ def rollout_correction(
     # k3 of KL(rollout || trainer) from rollout samples: r = log(pi_trainer / pi_rollout).
     k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(min=0.0)  # >= 0; float round-off gives -0.0
     n = keep.sum().clamp(min=1)
-    largest = torch.where(keep, ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device)).amax()
+    largest = torch.where(keep, ratio, ratio.new_zeros(())).amax()
     metrics = {
         "kl": masked_mean(k3, keep),
         "ratio_max": torch.where(keep.any(), largest, torch.ones_like(largest)),

@@ -154,12 +154,13 @@ def plan_from_peak(free_bytes: int, peak_bytes: int, tokens: int, max_tokens: in
     to the largest micro-batch the run allows (`max_tokens`, run_update_tokens). Activations and
     logits grow with the tokens; what does not (the LoRA optimizer state) only adds to the
     scaled need, so the scaling errs towards sleeping."""
-    need = peak_bytes * max(max_tokens, tokens) / max(tokens, 1)
+    largest = max(max_tokens, tokens)
+    need = peak_bytes * largest / max(tokens, 1)
     want = MEASURED_MARGIN_FACTOR * need + MARGIN_BYTES
     fits = free_bytes >= want
     return SleepPlan(
         not fits,
         f"{free_bytes / GIB:.1f} GiB free beside the awake engine; the last update peaked at "
         f"{peak_bytes / GIB:.1f} GiB over micro-batches of up to {tokens} tokens, ~{need / GIB:.1f} GiB at "
-        f"{max(max_tokens, tokens)} ({want / GIB:.1f} with margin); rollout.free_cache_engine=true/false overrides",
+        f"{largest} ({want / GIB:.1f} with margin); rollout.free_cache_engine=true/false overrides",
     )

@@ -54,6 +54,7 @@ class Worker:
         self.sleep_plan = SleepPlan(False, "not set up")
         self._free_awake = 0  # bytes free beside the awake engine, measured in setup (GPU)
         self._update_peak: tuple[int, int] | None = None  # (bytes, largest micro-batch's tokens)
+        self._some_rank_sleeps = False  # the same on every rank: whether re-planning can change anything
 
     # Ray calls these on every worker before anything else.
     def location(self) -> dict:
@@ -125,6 +126,8 @@ class Worker:
         )
         self.engine = make_engine(self.run, self.device)
         self.sleep_plan = self._plan_sleep()
+        if self.device.type == "cuda":
+            self._some_rank_sleeps = not all_ranks(not self.sleep_plan.sleeps, self.device)
         if self._sleeps:
             self.rollout.sleep()
         return self.dp_rank, self.dp_size, str(self.sleep_plan)
@@ -167,15 +170,19 @@ class Worker:
     def _replan_sleep(self) -> dict:
         """After an update that ran with the rollout asleep on the estimate's word: awake from the
         next update on if the update's measured peak fits beside the awake engine
-        (memory.plan_from_peak). Collective, because all ranks must agree (the ranks of one
-        engine sleep together): one that does not fit keeps every rank's plan as it was."""
+        (memory.plan_from_peak). Collective while any rank sleeps (decided once in setup, so no
+        step pays for it after), because all ranks must agree (the ranks of one engine sleep
+        together): one that does not fit keeps every rank's plan as it was."""
         measured, self._update_peak = self._update_peak, None
-        if measured is None or self.device.type != "cuda" or self.run.rollout.free_cache_engine is not None:
+        if measured is None or not self._some_rank_sleeps or self.run.rollout.free_cache_engine is not None:
             return {}
         plan = self.sleep_plan
         if plan.sleeps:
             plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
-        if not all_ranks(not plan.sleeps, self.device) or plan is self.sleep_plan:
+        if not all_ranks(not plan.sleeps, self.device):
+            return {}
+        self._some_rank_sleeps = False
+        if plan is self.sleep_plan:
             return {}
         self.sleep_plan = plan
         return {"rollout/sleep_plan": str(plan)}
@@ -239,10 +246,10 @@ class Worker:
         metrics = self.engine.update(batch, step)
         timing["timing/update"] = time.perf_counter() - t0
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-            self._update_peak = (peak, int(metrics["actor/micro_batch_tokens_max"]))
-            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            metrics["memory/update_peak_gib"] = peak / 2**30
+            highest = torch.cuda.max_memory_allocated(self.device)
+            self._update_peak = (highest - before, int(metrics["actor/micro_batch_tokens_max"]))
+            metrics["memory/max_allocated_gib"] = highest / 2**30
+            metrics["memory/update_peak_gib"] = (highest - before) / 2**30
         return {**metrics, **timing}
 
     # ---- sync ----------------------------------------------------------------------------
