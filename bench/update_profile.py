@@ -14,8 +14,10 @@ holds that much GPU memory the whole time, as the awake vLLM engine does in a co
 
 Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
 DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by CPU time).
-With --trace-syncs the JSON also counts where one more update made the host wait for the device
-(torch.cuda.set_sync_debug_mode), by Python call site.
+With --trace-syncs each variant also counts where one more update made the host wait for the
+device (torch.cuda.set_sync_debug_mode), by Python call site. Variant tokens beside the overrides:
+`fused_adamw` (the optimizer as one fused kernel), `transformers_masks` (transformers builds the
+attention masks from the 2D mask, as before the engine built them).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from bench.gpu_step import mfu, param_count
 from lorarl.batch import build_batch
 from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine
+
+# Variant tokens that are not Hydra overrides: they change the built engine.
+BENCH_TOKENS = ("fused_adamw", "transformers_masks")
 
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
@@ -153,9 +158,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     specs = args.variants.split(";")
     for i, spec in enumerate(specs):
-        extra = [] if spec == "preset" else [o for o in spec.split(",") if o != "fused_adamw"]
+        extra = [] if spec == "preset" else [o for o in spec.split(",") if o not in BENCH_TOKENS]
         run = compose(base + extra)
         engine = FSDPEngine(run, device)
+        if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
+            engine.prepared_masks = False
         if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step
             o = run.actor.optim
             engine.optimizer = torch.optim.AdamW(
@@ -181,7 +188,10 @@ def main() -> None:
             "alloc_retries": stats().get("num_alloc_retries", 0) - retries0,
             "micro_batches": metrics.get("actor/micro_batches"),
         }
-        print(json.dumps(row), flush=True)
+        if args.trace_syncs and on_gpu:
+            row["syncs"] = trace_syncs(engine, batch)
+            row["syncs_total"] = sum(row["syncs"].values())
+        print(json.dumps({k: v for k, v in row.items() if k != "syncs"}), flush=True)
         result["variants"].append(row)
         if i < len(specs) - 1:
             del engine, batch
@@ -200,8 +210,6 @@ def main() -> None:
     cuda_total = sum(e.self_device_time_total for e in events) / 1e6
     result["profiled_wall_s"] = wall
     result["profiled_kernel_s"] = cuda_total
-    if args.trace_syncs and on_gpu:
-        result["syncs"] = trace_syncs(engine, batch)
     text = [f"profiled update wall {wall:.3f} s, kernel time (sum of self device time) {cuda_total:.3f} s"]
     text.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
     text.append(events.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))

@@ -100,6 +100,20 @@ def test_engine_logprobs_match_hf_peft(engine_run, tiny_model_path):
     # Left-padded prompts (the layout the FSDP engine trains on) give the same response log-probs.
     left = got["policy_left"][got["mask_left"].bool()]
     torch.testing.assert_close(left, got["policy"][got["mask"].bool()], atol=1e-5, rtol=1e-5)
+    # Both rows in one micro-batch, padding inside it: the same log-probs.
+    padded = got["policy_padded"][got["mask_left"].bool()]
+    torch.testing.assert_close(padded, got["policy"][got["mask"].bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_inside_a_micro_batch_leaves_the_update_as_it_was(engine_run):
+    """One micro-batch of two padded rows against two of one row each: the same gradient (a
+    padding position that attended to nothing would make it NaN; one that a real token attended
+    to would move it). The loss metrics average per micro-batch, so only the gradient compares."""
+    _, out = engine_run
+    result = json.loads((out / "result.json").read_text())
+    one_row, padded = result["metrics"]["actor/grad_norm"], result["metrics_padded"]["actor/grad_norm"]
+    assert one_row > 0
+    assert padded == pytest.approx(one_row, rel=1e-5)
 
 
 def test_base_export_is_the_hf_checkpoint(engine_run, tiny_model_path):

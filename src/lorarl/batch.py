@@ -125,6 +125,18 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The [B, 1, L, L] boolean mask SDPA takes (True = may attend), built on the mask's device:
+    each real token sees the real tokens up to itself. A padding position sees only itself:
+    a softmax row with nothing to attend to is NaN, and its gradient would reach the real
+    tokens through the shared weights."""
+    length = attention_mask.shape[-1]
+    col = torch.arange(length, device=attention_mask.device)
+    causal = col[None, :] <= col[:, None]
+    mask = causal[None] & attention_mask.bool()[:, None, :]
+    return (mask | (col[None, :] == col[:, None])[None])[:, None]
+
+
 def micro_batches(lengths: list[int], *, rows: int | None = None, token_budget: int | None = None) -> list[list[int]]:
     """Row indices of each micro-batch, every row in exactly one.
 

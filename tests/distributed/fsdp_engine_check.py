@@ -27,7 +27,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
-def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
+def make_run(model_path: str, world: int, merge: bool = False, micro: int = 1) -> RunConfig:
     return compose(
         [
             "+backend=fsdp",
@@ -42,7 +42,7 @@ def make_run(model_path: str, world: int, merge: bool = False) -> RunConfig:
             "rollout.temperature=1.0",
             "actor.optim.lr=1e-5",
             "actor.ppo_mini_batch_size=2",
-            "actor.ppo_micro_batch_size_per_gpu=1",
+            f"actor.ppo_micro_batch_size_per_gpu={micro}",
             "actor.use_kl_loss=true",
             f"trainer.n_gpus_per_node={world}",
             "trainer.device=cpu",
@@ -89,6 +89,15 @@ def main(model_path: str, out: str) -> None:
     after, _ = engine.export(PayloadKind.ADAPTER)
     after = dict(after.tensors)
 
+    # Both rows in one micro-batch: left padding in one row, right padding in the other, so
+    # the engine's own attention mask is used (single rows are trimmed to no padding at all).
+    padded_engine = FSDPEngine(make_run(model_path, world, micro=2), torch.device("cpu"))
+    randomize_lora(padded_engine)
+    policy_padded = padded_engine.log_probs(left)
+    left.old_logp, left.ref_logp = policy_padded, padded_engine.log_probs(left, reference=True)
+    left.advantages = batch.advantages
+    metrics_padded = padded_engine.update(left, step=1)
+
     merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
     randomize_lora(merged_engine)
     merged_payload, _ = merged_engine.export(PayloadKind.BASE)
@@ -108,11 +117,20 @@ def main(model_path: str, out: str) -> None:
                 "mask": batch.response_mask,
                 "policy_left": policy_left.contiguous(),
                 "mask_left": left.response_mask,
+                "policy_padded": policy_padded.contiguous(),
             },
             str(out_dir / "logprobs.safetensors"),
         )
         (out_dir / "result.json").write_text(
-            json.dumps({"world": world, "metrics": metrics, "timings": timings, "adapter_config": adapter_config})
+            json.dumps(
+                {
+                    "world": world,
+                    "metrics": metrics,
+                    "metrics_padded": metrics_padded,
+                    "timings": timings,
+                    "adapter_config": adapter_config,
+                }
+            )
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, position_ids
+from lorarl.batch import TrainBatch, causal_mask, position_ids
 from lorarl.config import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
@@ -123,6 +123,14 @@ def apply_liger_kernel(model) -> None:
     patch(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
+def takes_prepared_masks(config) -> bool:
+    """Whether the model's forward takes the attention masks ready-made, as a dict keyed by
+    layer type (transformers' Qwen2/Qwen3 code; `generate` hands them over so). Only for models
+    whose every layer attends fully: one causal mask then serves all of them."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return config.model_type in ("qwen2", "qwen3") and set(layer_types) == {"full_attention"}
+
+
 def decoder_layers(peft_model) -> list[torch.nn.Module]:
     inner = peft_model.base_model.model  # the HF *ForCausalLM
     return list(inner.model.layers)
@@ -180,6 +188,7 @@ class FSDPEngine:
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
         self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
+        self.prepared_masks = takes_prepared_masks(self.model.config) and not run.model.trust_remote_code
 
     # ---- the Engine contract's plain facts ----------------------------------------------
 
@@ -213,16 +222,18 @@ class FSDPEngine:
 
     # ---- forward -------------------------------------------------------------------------
 
-    def _prepare(self, mb: TrainBatch) -> tuple[TrainBatch, int]:
-        """The micro-batch without its all-padding columns, on the device, and the first column
-        whose logits score a response token; found on the host, before the copy."""
+    def _prepare(self, mb: TrainBatch) -> tuple[TrainBatch, int, bool]:
+        """The micro-batch without its all-padding columns, on the device, the first column
+        whose logits score a response token, and whether any position is padding; found on
+        the host, before the copy."""
         mb = mb.trimmed()
         cols = mb.response_mask.bool().any(0).nonzero()
         first = int(cols[0]) if cols.numel() else mb.input_ids.shape[1] - 2
-        return mb.to(self.device), first
+        padded = not bool(mb.attention_mask.all())
+        return mb.to(self.device), first, padded
 
     def _forward(
-        self, mb: TrainBatch, first: int, temperature: float, entropy: EntropyMode
+        self, mb: TrainBatch, first: int, padded: bool, temperature: float, entropy: EntropyMode
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs [b, T], entropy [b, T] or None) of a prepared micro-batch.
 
@@ -230,9 +241,15 @@ class FSDPEngine:
         share of the forward, and its logits the largest activation.
         """
         ids, attn = mb.input_ids, mb.attention_mask
+        masks = attn
+        if self.prepared_masks:
+            # Given the 2D mask, transformers reads it on the host to choose between SDPA's
+            # causal kernel and a mask (a wait for the device in every forward); the host
+            # already knows which micro-batches hold padding.
+            masks = {"full_attention": causal_mask(attn) if padded else None}
         out = self.model(
             input_ids=ids,
-            attention_mask=attn,
+            attention_mask=masks,
             position_ids=position_ids(attn),
             use_cache=False,
             logits_to_keep=ids.shape[1] - first,
@@ -264,7 +281,7 @@ class FSDPEngine:
         prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
-            results = [self._forward(mb, first, temp, entropy="none")[0] for mb, first in prepared]
+            results = [self._forward(*p, temp, entropy="none")[0] for p in prepared]
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         for rows, mb, logp in zip(groups, micro, results, strict=True):
             first, last = mb.trim_span()
@@ -282,10 +299,10 @@ class FSDPEngine:
         self.model.train()
         prepared = [self._prepare(mb) for mb in micro]
         metrics = []
-        for i, (mb, first) in enumerate(prepared):
+        for i, (mb, first, padded) in enumerate(prepared):
             # Reduce-scatter the gradients once, after the last micro-batch.
             self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            logp, ent = self._forward(mb, first, self.temperature, entropy)
+            logp, ent = self._forward(mb, first, padded, self.temperature, entropy)
             loss, m = loss_fn(mb, logp, ent)
             loss.backward()
             metrics.append(m)
