@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -195,6 +196,7 @@ def main() -> None:
         result["variants"].append(row)
         if i < len(specs) - 1:
             del engine, batch
+            gc.collect()  # PEFT and FSDP modules hold reference cycles: free the engine before the next
             if on_gpu:
                 torch.cuda.empty_cache()
     from torch.profiler import ProfilerActivity, profile

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -114,6 +115,14 @@ def test_padding_inside_a_micro_batch_leaves_the_update_as_it_was(engine_run):
     one_row, padded = result["metrics"]["actor/grad_norm"], result["metrics_padded"]["actor/grad_norm"]
     assert one_row > 0
     assert padded == pytest.approx(one_row, rel=1e-5)
+
+
+def test_update_after_a_reference_pass_with_unsharded_parameters(engine_run):
+    """backend.reshard_after_forward=false: an update, a reference pass (adapter off, no grad),
+    then an update that still trains the adapter (it used to find the LoRA weights frozen)."""
+    _, out = engine_run
+    again = json.loads((out / "result.json").read_text())["metrics_padded_again"]
+    assert math.isfinite(again["actor/grad_norm"]) and again["actor/grad_norm"] > 0
 
 
 def test_base_export_is_the_hf_checkpoint(engine_run, tiny_model_path):

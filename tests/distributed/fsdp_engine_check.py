@@ -27,7 +27,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
-def make_run(model_path: str, world: int, merge: bool = False, micro: int = 1) -> RunConfig:
+def make_run(model_path: str, world: int, merge: bool = False, micro: int = 1, reshard: bool = True) -> RunConfig:
     return compose(
         [
             "+backend=fsdp",
@@ -47,6 +47,7 @@ def make_run(model_path: str, world: int, merge: bool = False, micro: int = 1) -
             f"trainer.n_gpus_per_node={world}",
             "trainer.device=cpu",
             "backend.mixed_precision=bfloat16",
+            f"backend.reshard_after_forward={str(reshard).lower()}",
         ]
     )
 
@@ -91,12 +92,16 @@ def main(model_path: str, out: str) -> None:
 
     # Both rows in one micro-batch: left padding in one row, right padding in the other, so
     # the engine's own attention mask is used (single rows are trimmed to no padding at all).
-    padded_engine = FSDPEngine(make_run(model_path, world, micro=2), torch.device("cpu"))
+    # Parameters stay unsharded between forwards, and a reference pass comes between two
+    # updates, as in every step with a KL loss.
+    padded_engine = FSDPEngine(make_run(model_path, world, micro=2, reshard=False), torch.device("cpu"))
     randomize_lora(padded_engine)
     policy_padded = padded_engine.log_probs(left)
     left.old_logp, left.ref_logp = policy_padded, padded_engine.log_probs(left, reference=True)
     left.advantages = batch.advantages
     metrics_padded = padded_engine.update(left, step=1)
+    padded_engine.log_probs(left, reference=True)
+    metrics_padded_again = padded_engine.update(left, step=2)
 
     merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
     randomize_lora(merged_engine)
@@ -127,6 +132,7 @@ def main(model_path: str, out: str) -> None:
                     "world": world,
                     "metrics": metrics,
                     "metrics_padded": metrics_padded,
+                    "metrics_padded_again": metrics_padded_again,
                     "timings": timings,
                     "adapter_config": adapter_config,
                 }

@@ -157,7 +157,22 @@ def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
     fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
     with torch.no_grad():
         peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    if not fsdp_kwargs.get("reshard_after_forward", True):
+        reshard_all(peft_model)
     return peft_model
+
+
+def reshard_all(peft_model) -> None:
+    """Register the sharded parameters again after a forward without autograd.
+
+    With `reshard_after_forward=False` FSDP2 keeps a forward's unsharded parameters registered
+    until the backward reshards them, and a forward under no_grad has no backward. Everything
+    else reads the registered parameters as the shards: the optimizer's list, the adapter
+    gather, PEFT's adapter switch setting requires_grad (on the unsharded copies, the sharded
+    LoRA weights would stay frozen and an update's loss have no graph)."""
+    for module in peft_model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class FSDPEngine:
@@ -282,6 +297,10 @@ class FSDPEngine:
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
             results = [self._forward(*p, temp, entropy="none")[0] for p in prepared]
+            if not self.run.backend.reshard_after_forward:
+                # Before the adapter is turned back on, which sets requires_grad on whichever
+                # parameters are registered at that moment (see reshard_all).
+                reshard_all(self.model)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         for rows, mb, logp in zip(groups, micro, results, strict=True):
             first, last = mb.trim_span()
