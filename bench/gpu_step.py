@@ -231,6 +231,19 @@ def gpu_memory_used_mib() -> int | None:
         return None
 
 
+def wait_for_free_gpu(limit_mib: int = 2048, timeout_s: float = 180.0) -> tuple[int | None, float]:
+    """(GPU memory in use, seconds waited) once at most `limit_mib` is in use or after `timeout_s`.
+
+    A process of the run before (a TRL worker outliving its killed launcher) can still be
+    releasing memory, and vLLM refuses to start when free memory grows during its profile."""
+    t0 = time.perf_counter()
+    used = gpu_memory_used_mib()
+    while used is not None and used > limit_mib and time.perf_counter() - t0 < timeout_s:
+        time.sleep(2.0)
+        used = gpu_memory_used_mib()
+    return used, time.perf_counter() - t0
+
+
 def build_model(shape: Shape, cache: Path, device: str, timeout: int) -> tuple[Path, float]:
     """The shaped random model (built once under <cache>/bench/, in a subprocess so this process
     never holds GPU memory), or the embedded tiny model."""
@@ -666,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"run": run.name, "system": run.system, "shape": run.shape, "kl": run.kl, "mode": run.mode}
             # Every row has the fixed keys, also when the run fails before it measures anything.
             row.update(step_s=None, tokens_per_step=None, steps_s=[], breakdown={}, mfu_update=None, command=None)
-            row["gpu_memory_used_mib_before"] = None if args.cpu_smoke else gpu_memory_used_mib()
+            used, waited = (None, 0.0) if args.cpu_smoke else wait_for_free_gpu()
+            row.update(gpu_memory_used_mib_before=used, gpu_wait_s=waited)
             log = (logs or tmp) / f"{run.name}.log"
             t0 = time.perf_counter()
             try:
