@@ -67,6 +67,8 @@ class DataConfig:
     shuffle: bool = True
     # "package.module:function" scoring every sample instead of the data_source registry.
     reward_fn: str | None = None
+    # Prompts per generation round of DAPO dynamic sampling (oversampling); null: train_batch_size.
+    gen_batch_size: int | None = None
 
 
 @dataclass
@@ -132,6 +134,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant divisor; null: data.max_response_length.
+    loss_scale_factor: int | None = None
     # vanilla: per-token PPO ratio; gspo: one length-normalised ratio per sequence.
     policy_loss: str = "vanilla"
     grad_clip: float = 1.0
@@ -139,20 +143,33 @@ class ActorConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    # null | token_tis | seq_tis | token_mask | seq_mask (see lorarl.algorithms.rollout_correction).
-    mode: str | None = None
-    # Upper bound of the ratio pi_trainer / pi_rollout (truncation for *_tis, band for *_mask).
-    threshold: float = 2.0
-    # Lower bound of the band for *_mask; null: 1 / threshold.
-    lower: float | None = None
+    """verl's keys and meanings (lorarl.rollout_correction; formulas in docs/algorithms.md)."""
+
+    # Truncated importance weights min(pi_trainer / pi_rollout, rollout_is_threshold) on the loss:
+    # token | sequence (the product over the response) | null | auto (token on CUDA, where they
+    # cost no extra pass on the on-policy path; null on CPU, where both sides are float32).
+    rollout_is: str | None = "auto"
+    rollout_is_threshold: float = 2.0
+    # Divide the weights by their batch mean (over tokens, or sequences at sequence level).
+    rollout_is_batch_normalize: bool = False
+    # Rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3;
+    # null: none. Rejected tokens leave the loss and its normalisation.
+    rollout_rs: str | None = None
+    # One bound for all options or one per option; k1: "upper" (lower = 1 / upper) or
+    # "lower_upper", bounds on pi_rollout / pi_trainer (per token, or the sequence's sum / mean).
+    rollout_rs_threshold: str | None = None
+    # true: the sampler's log-probs are pi_old (the PPO ratio is pi / pi_rollout); no weights.
+    bypass_mode: bool = False
 
 
 @dataclass
 class FilterGroupsConfig:
-    # DAPO dynamic sampling: drop prompt groups whose rewards are all equal, sample more prompts.
+    # DAPO dynamic sampling: drop prompt groups whose `metric` is equal for every sample, sample more prompts.
     enable: bool = False
-    # Generation rounds per step at most (the first included); a batch still short after them
-    # is filled with dropped groups (zero advantage) and the step goes on.
+    # acc | score: the reward function's value; seq_reward | seq_final_reward: with the overlong penalty.
+    metric: str = "acc"
+    # Generation rounds per step at most (the first included), 0 for no limit; a batch still short
+    # after them is filled with dropped groups (zero advantage) and the step goes on.
     max_num_gen_batches: int = 4
 
 
@@ -454,20 +471,29 @@ def validate(run: RunConfig) -> None:
         f"rollout.n={r.n}: GRPO compares samples of the same prompt, so with fewer than 2 every advantage is 0; set rollout.n>=2",
     )
     _one_of("actor.kl_loss_type", a.kl_loss_type, ("k1", "k2", "mse", "k3", "low_var_kl"))
-    from lorarl.algorithms import AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+    from lorarl.algorithms import AGG_MODES, POLICY_LOSSES
 
     _one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
-    rc = alg.rollout_correction
-    _one_of("algorithm.rollout_correction.mode", rc.mode, (None, *ROLLOUT_CORRECTIONS))
-    _check(rc.threshold > 1.0, f"algorithm.rollout_correction.threshold={rc.threshold} must be > 1")
+    _check_rollout_correction(alg.rollout_correction)
+    if a.policy_loss == "gspo":
+        from lorarl.algorithms import check_gspo
+
+        check_gspo(a.clip_ratio_c, a.loss_agg_mode)
     _check(
-        rc.lower is None or 0.0 <= rc.lower < 1.0,
-        f"algorithm.rollout_correction.lower={rc.lower} must be in [0, 1), or null for 1 / threshold",
+        a.loss_scale_factor is None or a.loss_scale_factor > 0,
+        f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0, or null for data.max_response_length",
+    )
+    fg = alg.filter_groups
+    _one_of("algorithm.filter_groups.metric", fg.metric, ("acc", "score", "seq_reward", "seq_final_reward"))
+    _check(
+        fg.max_num_gen_batches >= 0,
+        f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be >= 1, or 0 for no limit",
     )
     _check(
-        alg.filter_groups.max_num_gen_batches >= 1,
-        f"algorithm.filter_groups.max_num_gen_batches={alg.filter_groups.max_num_gen_batches} must be >= 1",
+        d.gen_batch_size is None or (fg.enable and d.gen_batch_size >= d.train_batch_size),
+        f"data.gen_batch_size={d.gen_batch_size} oversamples for dynamic sampling: it needs "
+        f"algorithm.filter_groups.enable=true and a value >= data.train_batch_size={d.train_batch_size} (or null)",
     )
     ob = alg.overlong_buffer
     _check(
@@ -569,6 +595,24 @@ def validate(run: RunConfig) -> None:
         )
     else:
         _one_of("backend.mixed_precision", run.backend.mixed_precision, ("float32", "bfloat16"))
+
+
+def _check_rollout_correction(rc: RolloutCorrectionConfig) -> None:
+    from lorarl.rollout_correction import IS_CHOICES, parse_rejection
+
+    key = "algorithm.rollout_correction"
+    _one_of(f"{key}.rollout_is", rc.rollout_is, IS_CHOICES)
+    _check(
+        rc.rollout_is_threshold > 1.0,
+        f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 1 (weights are truncated there, and "
+        "the diagnostics use the band [1 / threshold, threshold])",
+    )
+    parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
+    _check(
+        not (rc.bypass_mode and rc.rollout_is in ("token", "sequence")),
+        f"{key}.bypass_mode=true makes the PPO ratio pi / pi_rollout already; weights on top would count the "
+        f"mismatch twice: set {key}.rollout_is=null (or auto)",
+    )
 
 
 def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:

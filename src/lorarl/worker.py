@@ -22,7 +22,7 @@ from lorarl import memory, sync_checks
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
-from lorarl.engines.base import Engine, is_on_policy
+from lorarl.engines.base import Engine, needs_old_logp
 from lorarl.memory import SleepPlan, plan_sleep
 from lorarl.sync import PayloadKind, SyncStats
 
@@ -234,7 +234,7 @@ class Worker:
         batch = build_batch(
             prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
         )
-        if not is_on_policy(self.run):
+        if needs_old_logp(self.run):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch)
             timing["timing/old_logp"] = time.perf_counter() - t0

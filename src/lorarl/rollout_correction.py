@@ -1,0 +1,245 @@
+"""Rollout correction: the sampler (pi_rollout, vLLM) and the trainer (pi_trainer) give the sampled
+tokens different probabilities (kernels, precision). This module turns the two log-probs into
+truncated importance weights, a rejection mask and diagnostics, with verl's semantics and key
+names (`algorithm.rollout_correction.*`, metrics under `rollout_corr/`).
+
+log_ratio = log pi_trainer - log pi_rollout per response token, clamped to +-SAFETY_BOUND before
+any exp(). Pure torch on [B, T] tensors; everything returned is detached (weights change the
+measure, not the objective). The formulas are in docs/algorithms.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lorarl.algorithms import masked_mean, masked_sum
+from lorarl.errors import ConfigError
+
+SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8: the largest weight or ratio any statistic may reach
+IS_LEVELS = ("token", "sequence")
+# auto: token on CUDA (bf16 sampler against the trainer), off on CPU (both float32, weights ~1).
+IS_CHOICES = (None, "auto", *IS_LEVELS)
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+_KEY = "algorithm.rollout_correction"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejection criterion: a token or sequence is kept while its statistic stays in bounds.
+    k1 options bound log(pi_rollout / pi_trainer) by [log lower, log upper]; k2 and k3 options
+    bound the divergence estimate by `upper` alone."""
+
+    option: str
+    upper: float
+    lower: float | None = None
+
+
+def parse_rejection(options: str | None, thresholds: str | None) -> tuple[Rejection, ...]:
+    """`rollout_rs` ("seq_mean_k1" or "token_k1,seq_max_k3") and `rollout_rs_threshold` (one value
+    shared by every option, or one per option; a k1 option takes "upper" (lower = 1 / upper) or
+    "lower_upper") as criteria. ConfigError names the key on any bad value."""
+    if options is None:
+        return ()
+    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
+    bad = [o for o in names if o not in RS_OPTIONS]
+    if not names or bad:
+        raise ConfigError(f"{_KEY}.rollout_rs={options!r}: unknown option(s) {bad}; use null or a comma-separated list of {', '.join(RS_OPTIONS)}")  # fmt: skip
+    if thresholds is None:
+        raise ConfigError(f"{_KEY}.rollout_rs={options!r} needs {_KEY}.rollout_rs_threshold (e.g. 1.001 for seq_mean_k1)")  # fmt: skip
+    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ConfigError(f"{_KEY}.rollout_rs_threshold={thresholds!r}: give one value for all {len(names)} options or one each")  # fmt: skip
+    return tuple(_rule(name, spec) for name, spec in zip(names, specs))
+
+
+def _rule(name: str, spec: str) -> Rejection:
+    where = f"{_KEY}.rollout_rs_threshold={spec!r} ({name})"
+    if "_" in spec and not name.endswith("k1"):
+        raise ConfigError(f"{where}: only k1 options take lower_upper; give one upper bound")
+    try:
+        parts = [float(x) for x in spec.split("_", 1)]
+    except ValueError:
+        raise ConfigError(f"{where} is not a number (k1 options: upper or lower_upper)") from None
+    if any(x <= 0 for x in parts) or (len(parts) == 2 and parts[0] > parts[1]):
+        raise ConfigError(f"{where}: bounds must be > 0 and lower <= upper")
+    if not name.endswith("k1"):
+        return Rejection(name, parts[0])
+    lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
+    return Rejection(name, upper, lower)
+
+
+def resolve_is_level(rollout_is: str | None, device: str, bypass_mode: bool) -> str | None:
+    """The importance-weight level a run uses: `auto` is token on CUDA, off on CPU and in bypass
+    mode (there the PPO ratio already is pi / pi_rollout)."""
+    if rollout_is != "auto":
+        return rollout_is
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return "token" if on_cuda and not bypass_mode else None
+
+
+def needs_trainer_logp_first(rules: tuple[Rejection, ...], batch_normalize: bool) -> bool:
+    """Rejection and batch-normalised weights change what the loss is normalised by (the kept
+    tokens, the batch's mean weight), so they must be known before the first micro-batch: they
+    need the trainer's log-probs of the whole batch from a pass before the update, as in verl."""
+    return bool(rules) or batch_normalize
+
+
+def _log_ratio(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    zero = trainer_logp.new_zeros(())
+    return torch.where(keep, trainer_logp.float() - rollout_logp.float(), zero).detach()
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
+    """min(w, threshold) on kept tokens, 0 elsewhere. token: w = exp(log_ratio); sequence: w =
+    exp(sum of the sequence's log_ratio), the sum clamped (not each token) to +-SAFETY_BOUND."""
+    keep = mask.bool()
+    if level == "token":
+        w = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        seq = masked_sum(log_ratio, keep, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        w = torch.exp(seq).unsqueeze(-1).expand_as(log_ratio)
+    return torch.where(keep, w.clamp(max=threshold), w.new_zeros(()))
+
+
+def _sequence_stat(values: torch.Tensor, keep: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "sum":
+        return masked_sum(values, keep, dim=-1)
+    if how == "mean":
+        return masked_mean(values, keep, dim=-1)
+    top = values.masked_fill(~keep, -math.inf).amax(-1)
+    return torch.where(keep.any(-1), top, torch.zeros_like(top))
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, rules: tuple[Rejection, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mask with every token (token_*) or whole sequence (seq_*) that breaks a criterion
+    dropped; all criteria must pass. Metrics: the fraction of kept tokens each option and all
+    together drop, and the fraction of sequences that lost a token."""
+    keep = mask.bool()
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": torch.exp(safe) - 1.0 - safe}
+    combined = keep.clone()
+    metrics: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        parts = rule.option.split("_")
+        token_stat = stats[parts[-1]]
+        stat = token_stat if parts[0] == "token" else _sequence_stat(token_stat, keep, parts[1]).unsqueeze(-1)
+        if rule.lower is not None:
+            passed = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.upper))
+        else:
+            passed = stat <= rule.upper
+        passed = passed.expand_as(keep)
+        metrics[f"rollout_rs_{rule.option}_masked_fraction"] = masked_mean((~passed).float(), keep)
+        combined &= passed
+    rows = keep.any(-1)
+    metrics["rollout_rs_masked_fraction"] = masked_mean((keep & ~combined).float(), keep)
+    metrics["rollout_rs_seq_masked_fraction"] = masked_mean((keep & ~combined).any(-1).float(), rows)
+    return combined.to(mask.dtype), metrics
+
+
+def is_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> dict[str, torch.Tensor]:
+    """Statistics of the weights before truncation (verl's rollout_is_*): mean, max, min, the
+    fractions above threshold and below 1 / threshold, and, of the weights clamped to that band,
+    the std and the effective sample size 1 / mean((w / mean w)^2)."""
+    keep = mask.bool()
+    lo = 1.0 / threshold
+    if level == "token":
+        w = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        high, low = masked_mean((w > threshold).float(), keep), masked_mean((w < lo).float(), keep)
+        w_max = w.masked_fill(~keep, -math.inf).amax()
+        w_min = w.masked_fill(~keep, math.inf).amin()
+    else:
+        rows = keep.any(-1)
+        seq = masked_sum(log_ratio, keep, dim=-1)
+        w = torch.exp(seq.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
+        high = masked_mean((seq > math.log(threshold)).float(), rows)
+        low = masked_mean((seq < math.log(lo)).float(), rows)
+        w_max = torch.exp(seq.masked_fill(~rows, -math.inf).amax().clamp(max=SAFETY_BOUND))
+        w_min = torch.exp(seq.masked_fill(~rows, math.inf).amin())
+    band = w.clamp(lo, threshold)
+    band_mean = masked_mean(band, keep)
+    var = (masked_mean(band.square(), keep) - band_mean.square()).clamp(min=0.0)
+    normalised = band / (band_mean + 1e-8)
+    any_kept = keep.any()
+    one = torch.ones((), device=w.device)
+    return {
+        "rollout_is_mean": masked_mean(w, keep),
+        "rollout_is_std": var.sqrt(),
+        "rollout_is_max": torch.where(any_kept, w_max, one),
+        "rollout_is_min": torch.where(any_kept, w_min, one),
+        "rollout_is_ratio_fraction_high": high,
+        "rollout_is_ratio_fraction_low": low,
+        "rollout_is_eff_sample_size": torch.where(any_kept, 1.0 / masked_mean(normalised.square(), keep), one),
+    }
+
+
+def mismatch_metrics(
+    trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """verl's off-policy diagnostics over kept tokens: kl = mean(log pi_rollout - log pi_trainer)
+    (k1 of KL(rollout || trainer)), k3_kl = mean(r - log r - 1), the per-sequence log-perplexities
+    and their difference (rollout minus trainer mean log-prob), and the chi-square divergences
+    E[r^2] - 1 per token and E[(prod r)^2] - 1 per sequence, r = pi_trainer / pi_rollout."""
+    keep = mask.bool()
+    rows = keep.any(-1)
+    lr = _log_ratio(trainer_logp, rollout_logp, keep)
+    safe = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    trainer_mean = masked_mean(trainer_logp.float().detach(), keep, dim=-1)
+    rollout_mean = masked_mean(rollout_logp.float().detach(), keep, dim=-1)
+    diff = rollout_mean - trainer_mean
+    seq = masked_sum(lr, keep, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "kl": masked_mean(-lr, keep),
+        "k3_kl": masked_mean(torch.exp(lr) - lr - 1.0, keep),
+        "training_log_ppl": masked_mean(-trainer_mean, rows),
+        "rollout_log_ppl": masked_mean(-rollout_mean, rows),
+        "log_ppl_diff": masked_mean(diff, rows),
+        "log_ppl_abs_diff": masked_mean(diff.abs(), rows),
+        "chi2_token": masked_mean(torch.exp(2.0 * safe), keep) - 1.0,
+        "chi2_seq": masked_mean(torch.exp(2.0 * seq), rows) - 1.0,
+    }
+
+
+def correct(
+    trainer_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    level: str | None,
+    threshold: float,
+    rules: tuple[Rejection, ...] = (),
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """(truncated weights or None, the mask to train on, metrics without the `rollout_corr/`
+    prefix). Weights and their statistics use the mask as given (before rejection), as verl
+    does; the weight statistics are logged at token level when no weights are applied, so the
+    mismatch is visible whatever the mode."""
+    keep = mask.bool()
+    lr = _log_ratio(trainer_logp, rollout_logp, keep)
+    metrics = mismatch_metrics(trainer_logp, rollout_logp, mask)
+    metrics.update(is_metrics(lr, mask, level or "token", threshold))
+    weights = None if level is None else importance_weights(lr, mask, level, threshold)
+    new_mask = mask
+    if rules:
+        new_mask, rs = rejection_mask(lr, mask, rules)
+        metrics.update(rs)
+    return weights, new_mask, metrics
+
+
+def batch_mean_weight(weights: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[float, float]:
+    """(sum, count) whose ratio, summed over data-parallel ranks, is the batch's mean weight: over
+    tokens (token level) or one weight per sequence (sequence level)."""
+    keep = mask.bool()
+    if level == "token":
+        return float(masked_sum(weights, keep)), float(keep.sum())
+    rows = keep.any(-1)
+    return float(masked_sum(masked_mean(weights, keep, dim=-1), rows)), float(rows.sum())
