@@ -94,9 +94,14 @@ def needs_trainer_logp_first(rules: tuple[Rejection, ...], batch_normalize: bool
     return bool(rules) or batch_normalize
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x detached, in float32 at least (16-bit log-probs widened, float64 kept)."""
+    return x.detach().to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _log_ratio(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    zero = trainer_logp.new_zeros(())
-    return torch.where(keep, trainer_logp.float() - rollout_logp.float(), zero).detach()
+    diff = _wide(trainer_logp) - _wide(rollout_logp)
+    return torch.where(keep, diff, diff.new_zeros(()))
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
@@ -195,8 +200,8 @@ def mismatch_metrics(
     rows = keep.any(-1)
     lr = _log_ratio(trainer_logp, rollout_logp, keep)
     safe = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    trainer_mean = masked_mean(trainer_logp.float().detach(), keep, dim=-1)
-    rollout_mean = masked_mean(rollout_logp.float().detach(), keep, dim=-1)
+    trainer_mean = masked_mean(_wide(trainer_logp), keep, dim=-1)
+    rollout_mean = masked_mean(_wide(rollout_logp), keep, dim=-1)
     diff = rollout_mean - trainer_mean
     seq = masked_sum(lr, keep, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return {
