@@ -321,3 +321,40 @@ def test_dr_grpo_sums_over_sequences_and_divides_by_the_constant():
     loss.backward()
     for g in grads:
         torch.testing.assert_close(g, W.grad, atol=1e-6, rtol=1e-5)
+
+
+def _hand_gradient(batch, per_token):
+    """The gradient of sum(per_token(logp) * mask) / mask.sum() at a fresh TablePolicy's weights."""
+    ref = TablePolicy()
+    ref.W = ref.W.detach().clone().requires_grad_(True)
+    logp = ref.logp(batch.input_ids)
+    (per_token(logp) * batch.response_mask).sum().div(batch.response_mask.sum()).backward()
+    return ref.W.grad
+
+
+def test_batch_normalised_weights_and_bypass_mode():
+    key = "algorithm.rollout_correction"
+    batch = _with_rollout(batch_of(LENGTHS))
+    noise = torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(9)) * 0.5
+    batch.rollout_logp = batch.old_logp + noise
+    adv = batch.advantages[:, None]
+    # Token weights divided by their mean over the batch's tokens (computed before the update).
+    run = compose([*_overrides("token-mean"), f"{key}.rollout_is=token", f"{key}.rollout_is_batch_normalize=true"])
+    policy = TablePolicy()
+    metrics = ppo_update(policy, batch, step=1, run=run)
+    w = torch.exp(-noise).clamp(max=2.0)
+    mean = float((w * batch.response_mask).sum() / batch.response_mask.sum())
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean, rel=1e-5)
+    expect = _hand_gradient(batch, lambda lp: -adv * (w / mean) * torch.exp(lp - lp.detach()))
+    torch.testing.assert_close(policy.grads[0], expect, atol=1e-6, rtol=1e-5)
+    # Bypass: pi_old is the sampler's, so the PPO ratio pi / pi_rollout is clipped at 1 -+ 0.2.
+    run = compose([*_overrides("token-mean"), f"{key}.rollout_is=null", f"{key}.bypass_mode=true"])
+    batch.old_logp = None
+    policy = TablePolicy()
+    ppo_update(policy, batch, step=1, run=run)
+
+    def clipped(lp):
+        r = torch.exp(lp - batch.rollout_logp)
+        return torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
+
+    torch.testing.assert_close(policy.grads[0], _hand_gradient(batch, clipped), atol=1e-6, rtol=1e-5)

@@ -93,10 +93,8 @@ def needs_old_logp(run: RunConfig) -> bool:
     """Whether the update needs the trainer's log-probs from a pass of their own: off-policy
     (unless bypass mode makes the sampler's log-probs pi_old), or when the rollout correction
     must be known before the loss is normalised (rejection, batch-normalised weights)."""
-    rc = run.algorithm.rollout_correction
-    rules = rcorr.parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
-    first = rcorr.needs_trainer_logp_first(rules, rc.rollout_is_batch_normalize)
-    return first or not (is_on_policy(run) or rc.bypass_mode)
+    bypass = run.algorithm.rollout_correction.bypass_mode
+    return _Correction.of(run).first or not (is_on_policy(run) or bypass)
 
 
 def log_prob_token_budget(run: RunConfig) -> int:
@@ -185,8 +183,9 @@ class _Correction:
     rejection criteria, and whether they must be computed before the update."""
 
     def __init__(self, level: str | None, threshold: float, rules: tuple, normalize: bool, bypass: bool):
-        self.level, self.threshold, self.rules, self.normalize, self.bypass = level, threshold, rules, normalize, bypass
-        self.first = rcorr.needs_trainer_logp_first(rules, normalize)
+        self.level, self.threshold, self.rules, self.bypass = level, threshold, rules, bypass
+        self.normalize = normalize and level is not None
+        self.first = rcorr.needs_trainer_logp_first(rules, self.normalize)
 
     @classmethod
     def of(cls, run: RunConfig) -> _Correction:
