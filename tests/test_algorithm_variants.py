@@ -134,3 +134,13 @@ def test_dapo_sampling_keys_are_checked():
         compose(["+backend=fsdp", "algorithm=dapo", "data.gen_batch_size=2"])
     run = compose(["+backend=fsdp", "algorithm=dapo", "data.gen_batch_size=24", "algorithm.filter_groups.max_num_gen_batches=0"])  # fmt: skip
     assert run.data.gen_batch_size == 24 and run.algorithm.filter_groups.max_num_gen_batches == 0
+
+
+def test_auto_importance_weights_are_token_tis_on_cuda_only():
+    from lorarl.rollout_correction import resolve_is_level
+
+    assert resolve_is_level("auto", "cuda", bypass_mode=False) == "token"
+    assert resolve_is_level("auto", "cpu", bypass_mode=False) is None  # the CPU default run is unchanged
+    assert resolve_is_level("auto", "cuda", bypass_mode=True) is None  # the ratio is pi / pi_rollout already
+    assert resolve_is_level("sequence", "cpu", bypass_mode=False) == "sequence"
+    assert compose(["+backend=fsdp"]).algorithm.rollout_correction.rollout_is == "auto"
