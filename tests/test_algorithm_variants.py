@@ -144,3 +144,22 @@ def test_auto_importance_weights_are_token_tis_on_cuda_only():
     assert resolve_is_level("auto", "cuda", bypass_mode=True) is None  # the ratio is pi / pi_rollout already
     assert resolve_is_level("sequence", "cpu", bypass_mode=False) == "sequence"
     assert compose(["+backend=fsdp"]).algorithm.rollout_correction.rollout_is == "auto"
+
+
+def test_rollout_correction_by_hand():
+    from lorarl import rollout_correction as RC
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    rollout = torch.zeros(1, 3)
+    # Sequence weights clamp the summed log-ratio: +25 and -24 sum to 1, so w = e^1 (per-token
+    # clamping at +-20 would have given e^0 = 1).
+    w, _, _ = RC.correct(torch.tensor([[25.0, -24.0, 0.0]]), rollout, mask, "sequence", 3.0)
+    assert w[0, :2].tolist() == pytest.approx([math.e, math.e]) and w[0, 2] == 0
+    # k1 bounds pi_rollout / pi_trainer: "0.5_4.0" keeps trainer/rollout ratios in [1/4, 2].
+    trainer = torch.tensor([[math.log(3.0), -math.log(3.0), 0.0]])
+    _, keep, m = RC.correct(trainer, rollout, mask, None, 2.0, RC.parse_rejection("token_k1", "0.5_4.0"))
+    assert keep.tolist() == [[0.0, 1.0, 0.0]]  # ratio 3 dropped, ratio 1/3 kept
+    assert float(m["rollout_rs_masked_fraction"]) == pytest.approx(0.5)
+    # kl is k1: mean(log pi_rollout - log pi_trainer) = -(ln 3 - ln 3) / 2 = 0; k3_kl its k3.
+    assert float(m["kl"]) == pytest.approx(0.0, abs=1e-7)
+    assert float(m["k3_kl"]) == pytest.approx(((3 - math.log(3) - 1) + (1 / 3 + math.log(3) - 1)) / 2, rel=1e-6)
