@@ -15,9 +15,13 @@ import pytest
 from bench.host_state import Sampler, host_state, nvidia_smi
 from bench.step_plan import (
     CORRECTIONS,
+    GPU_WORK,
+    SHAPE_RUNS,
     TRL,
     TRL_IS_MODE,
+    Arm,
     Pair,
+    Run,
     lorarl_arms,
     plan,
     repeat_groups,
@@ -181,3 +185,18 @@ def test_the_sampler_records_the_host_during_a_run():
     state = host_state()
     assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
     assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_path):
+    from bench.step_launch import compose_run, lorarl_overrides, trl_args
+
+    pair = Pair("7b", True, "seq_mask")
+    run = Run(Arm("lorarl", backend, "adapter"), pair, 1)
+    overrides = lorarl_overrides(run, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "model", False, None)
+    cfg = compose_run(backend, [*overrides, "algorithm.rollout_correction.threshold=4.0"], tmp_path)
+    assert (cfg.algorithm.rollout_correction.mode, cfg.actor.use_kl_loss) == ("seq_mask", True)
+    args = trl_args(Run(TRL, pair, 1), cfg, GPU_WORK, tmp_path / "model", tmp_path / "d", tmp_path / "o.json", False)
+    assert args[args.index("--vllm-is-mode") + 1] == "sequence_mask"
+    assert args[args.index("--vllm-is-clip-min") + 1] == "0.25" and args[args.index("--beta") + 1] == "0.001"
+    assert args[args.index("--micro-batch") + 1] == "16"  # the 7B preset's 4096-token budget / 192 tokens, as 2^k
