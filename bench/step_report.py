@@ -33,6 +33,29 @@ def pair_lines(entries: list[dict]) -> list[str]:
     return lines
 
 
+def variance_lines(entries: list[dict]) -> list[str]:
+    lines = [
+        "| pair | side | spread | run | step s | update s | gen s | SM MHz median (min) | temp max C | power W | "
+        "CPU busy | load before | GPU MiB before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        for side, v in e["variance"].items():
+            repeats = (e["lorarl_step_s"] if side == "lorarl" else e["trl_step_s"] or {"n": 0})["n"]
+            if not v or repeats < 2:
+                continue
+            for label in ("fastest", "slowest"):
+                f = v[label]
+                lines.append(
+                    f"| {e['shape']} KL {'on' if e['kl'] else 'off'} {e['correction']} | {side} | "
+                    f"{v['spread_pct']:.0%} | {label} (r{f['repeat']}, #{fmt(f['order'], 0)}) | {fmt(f['step_s'])} | "
+                    f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
+                    f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "
+                    f"{fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | {fmt(f['gpu_mib_before'], 0)} |"
+                )
+    return lines
+
+
 def _machine(row: dict) -> str:
     before = row.get("before") or {}
     gpu = before.get("gpu") or {}
@@ -82,6 +105,10 @@ def markdown(result: dict) -> str:
         "## Equal-algorithm pairs",
         "",
         *pair_lines(result["pairs"]),
+        "",
+        "## Variance: each side's fastest and slowest repeat",
+        "",
+        *variance_lines(result["pairs"]),
         "",
         "## Runs, in the order they ran",
         "",

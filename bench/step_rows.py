@@ -162,9 +162,46 @@ def pairs(rows: list[dict]) -> list[dict]:
             }
             if entry["trl_step_s"]:
                 entry["speedup"] = entry["trl_step_s"]["median"] / entry["lorarl_step_s"]["median"]
+            entry["variance"] = {"lorarl": variance(list(ours.values())), "trl": variance(list(trl.values()))}
             entry["targets"] = target_check(shape, entry)
             out.append(entry)
     return out
+
+
+def facts(row: dict) -> dict:
+    """What one run's time and machine were: its phases, the GPU while it ran, the host before it."""
+    during, before = row.get("during") or {}, row.get("before") or {}
+    gpu = before.get("gpu") or {}
+
+    def mid(key: str, part: str = "median") -> float | None:
+        return (during.get(key) or {}).get(part)
+
+    return {
+        "repeat": row["repeat"],
+        "order": row.get("order"),
+        "step_s": row["step_s"],
+        "update_s": row["breakdown"].get("update_s"),
+        "gen_s": row["breakdown"].get("gen_s"),
+        "sm_clock_mhz": mid("clocks.sm"),
+        "sm_clock_min_mhz": mid("clocks.sm", "min"),
+        "temperature_max_c": mid("temperature.gpu", "max"),
+        "power_w": mid("power.draw"),
+        "cpu_busy": mid("cpu_busy"),
+        "loadavg_before": before.get("loadavg_1m"),
+        "gpu_mib_before": gpu.get("memory.used"),
+        "clock_reasons_before": gpu.get("clock_reasons"),
+    }
+
+
+def variance(rows: list[dict]) -> dict | None:
+    """The spread of one side's repeats, and the fastest and the slowest run side by side with
+    what the machine did meanwhile: where a slow repeat's time went (update or generation) and
+    whether the GPU clocked lower, ran hotter, or the host was busier."""
+    if not rows:
+        return None
+    steps = [r["step_s"] for r in rows]
+    fast, slow = min(rows, key=lambda r: r["step_s"]), max(rows, key=lambda r: r["step_s"])
+    return {"spread_pct": (max(steps) - min(steps)) / median(steps), "fastest": facts(fast), "slowest": facts(slow)}
 
 
 def target_check(shape: str, entry: dict) -> dict:

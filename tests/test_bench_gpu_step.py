@@ -28,6 +28,7 @@ from bench.step_plan import (
     select,
     trl_correction_args,
 )
+from bench.step_report import markdown
 from bench.step_rows import lorarl_steps, pairs, param_count, step_row, trl_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,11 +152,11 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
         row = step_row(steps, n_params)
         assert steps[0]["other_s"] == pytest.approx(ours - 0.5 - 0.6 - 0.1)
         assert row["tokens_per_step"] == 5600 + 128 * 256
-        rows.append({"system": "lorarl", "arm": "lorarl-fsdp-adapter", "shape": "0.5b", "kl": False,
+        rows.append({"run": f"lorarl-r{repeat}", "system": "lorarl", "arm": "lorarl-fsdp-adapter", "shape": "0.5b", "kl": False,
                      "correction": "none", "repeat": repeat, **row})  # fmt: skip
         trl = step_row(trl_steps({"steps": [_trl_step(theirs, 0.7)] * 6}), n_params)
         assert trl["breakdown"]["other_s"] == pytest.approx(theirs - 1.0 - 0.2 - 0.3 - 0.7)
-        rows.append({"system": "trl", "arm": "trl", "shape": "0.5b", "kl": False, "correction": "none",
+        rows.append({"run": f"trl-r{repeat}", "system": "trl", "arm": "trl", "shape": "0.5b", "kl": False, "correction": "none",
                      "repeat": repeat, **trl})  # fmt: skip
     # A TRL run with its correction on is another algorithm: it is not paired with these.
     rows.append({**rows[-1], "correction": "seq_mask", "repeat": 1})
@@ -174,6 +175,14 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
     )
     assert uncorrected["targets"]["step_s"] == {"want": 1.4, "got": 2.0, "met": False}
     assert uncorrected["targets"]["speedup"]["met"] is False
+    spread = uncorrected["variance"]["lorarl"]
+    assert spread["spread_pct"] == pytest.approx((2.5 - 1.9) / 2.0)
+    assert (spread["fastest"]["repeat"], spread["slowest"]["repeat"]) == (3, 2)
+    assert spread["slowest"]["update_s"] == pytest.approx(0.6) and spread["slowest"]["sm_clock_mhz"] is None
+    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [uncorrected],
+                       "step_compare": rows})  # fmt: skip
+    assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
+    assert "slowest (r2, #-)" in report
 
 
 def test_the_sampler_records_the_host_during_a_run():
