@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, SHAPES, shaped_model_path, write_json
-from bench.host_state import Sampler, host_state, wait_for_free_gpu
+from bench.host_state import Sampler, host_state, slowdown_s, wait_for_free_gpu
 from bench.step_launch import (
     child_env,
     compose_run,
@@ -238,6 +238,7 @@ class Bench:
         except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
         row["after"] = host_state()
+        row["clocks_slowed_s"] = slowdown_s(row["before"], row["after"])
         row["wall_s"] = time.perf_counter() - t0
         self.walls[(run.arm.name, run.pair.shape)] = row["wall_s"] - row.get("model_build_s", 0.0)
         return row

@@ -31,6 +31,12 @@ GPU_FIELDS = (
     "pstate",
 )
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+# Microseconds since the driver loaded that each cause held the clocks below the requested ones
+# (driver 580 on the H200 has them); a run's share is the difference across it.
+SLOWDOWN_COUNTERS = tuple(
+    f"clocks_event_reasons_counters.{c}"
+    for c in ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sync_boost")
+)
 SAMPLED = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "utilization.gpu", "memory.used")
 
 
@@ -116,6 +122,19 @@ def host_state() -> dict:
         "cpus": os.cpu_count(),
         "mem_available_gib": mem_available_gib(),
         "gpu": gpu_state(),
+        "slowdown_us": nvidia_smi(SLOWDOWN_COUNTERS),
+    }
+
+
+def slowdown_s(before: dict, after: dict) -> dict | None:
+    """Seconds each cause held the GPU's clocks down between two host_state() readings."""
+    b, a = before.get("slowdown_us"), after.get("slowdown_us")
+    if not b or not a:
+        return None
+    return {
+        key.rsplit(".", 1)[1]: (a[key] - b[key]) / 1e6
+        for key in SLOWDOWN_COUNTERS
+        if isinstance(a.get(key), float) and isinstance(b.get(key), float)
     }
 
 

@@ -36,8 +36,8 @@ def pair_lines(entries: list[dict]) -> list[str]:
 def variance_lines(entries: list[dict]) -> list[str]:
     lines = [
         "| pair | side | spread | run | step s | update s | gen s | SM MHz median (min) | temp max C | power W | "
-        "CPU busy | load before | GPU MiB before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "clocks slowed s | CPU busy | load before | GPU MiB before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         for side, v in e["variance"].items():
@@ -51,6 +51,7 @@ def variance_lines(entries: list[dict]) -> list[str]:
                     f"{v['spread_pct']:.0%} | {label} (r{f['repeat']}, #{fmt(f['order'], 0)}) | {fmt(f['step_s'])} | "
                     f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
                     f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "
+                    f"{fmt(f['clocks_slowed_s'])} | "
                     f"{fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | {fmt(f['gpu_mib_before'], 0)} |"
                 )
     return lines

@@ -190,6 +190,8 @@ def facts(row: dict) -> dict:
         "loadavg_before": before.get("loadavg_1m"),
         "gpu_mib_before": gpu.get("memory.used"),
         "clock_reasons_before": gpu.get("clock_reasons"),
+        # Seconds the driver held the clocks down during the run (power cap, thermal, ...), summed.
+        "clocks_slowed_s": sum((row.get("clocks_slowed_s") or {}).values()) if row.get("clocks_slowed_s") else None,
     }
 
 

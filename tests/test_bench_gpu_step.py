@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_state import Sampler, host_state, nvidia_smi
+from bench.host_state import Sampler, host_state, nvidia_smi, slowdown_s
 from bench.step_plan import (
     CORRECTIONS,
     GPU_WORK,
@@ -183,6 +183,9 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
                        "step_compare": rows})  # fmt: skip
     assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
     assert "slowest (r2, #-)" in report
+    for table in report.split("\n## ")[1:3]:  # every row of the pair and variance tables has the header's columns
+        lines = [line for line in table.splitlines() if line.startswith("|")]
+        assert len(lines) > 2 and {line.count("|") for line in lines} == {lines[0].count("|")}
 
 
 def test_the_sampler_records_the_host_during_a_run():
@@ -191,6 +194,11 @@ def test_the_sampler_records_the_host_during_a_run():
     summary = sampler.summary()
     assert summary["samples"] >= 1
     assert 0.0 <= summary["cpu_busy"]["min"] <= summary["cpu_busy"]["max"] <= 1.0
+    counters = [f"clocks_event_reasons_counters.{c}" for c in ("sw_power_cap", "sw_thermal_slowdown")]
+    before = {"slowdown_us": {counters[0]: 1_000_000.0, counters[1]: 0.0}}
+    after = {"slowdown_us": {counters[0]: 3_500_000.0, counters[1]: 0.0}}
+    assert slowdown_s(before, after) == {"sw_power_cap": 2.5, "sw_thermal_slowdown": 0.0}
+    assert slowdown_s({"slowdown_us": None}, after) is None  # no nvidia-smi: nothing to difference
     state = host_state()
     assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
     assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
