@@ -22,6 +22,7 @@ from bench.step_plan import (
     Arm,
     Pair,
     Run,
+    estimate_wall_s,
     lorarl_arms,
     plan,
     repeat_groups,
@@ -52,6 +53,10 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
     later = plan(pairs[:1], [*lorarl_arms(["fsdp"], ["adapter"]), TRL], repeats=1, done=done)
     assert [r.name for r in later] == ["lorarl-fsdp-adapter-0.5b-kloff-none-r3", "trl-0.5b-kloff-none-r2"]
     assert [len(g) for g in repeat_groups(runs)] == [2, 2, 2, 2]
+    # A repeat's expected wall: the table until this command has run that arm at that shape.
+    first = repeat_groups(runs)[0]
+    assert [estimate_wall_s(r, {}) for r in first] == [125, 60]
+    assert estimate_wall_s(first[1], {("trl", "0.5b"): 48.0}) == 48.0
     assert [r.name for r in select(runs, "trl-*-r1")] == ["trl-0.5b-kloff-none-r1", "trl-7b-klon-token_tis-r1"]
     with pytest.raises(SystemExit, match="matches no planned run"):
         select(runs, "lorarl-3b-*")
