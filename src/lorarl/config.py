@@ -30,6 +30,9 @@ class LoraConfig:
     dropout: float = 0.0
     # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
     target_modules: list[str] = field(default_factory=lambda: list(HF_LINEAR_PROJECTIONS))
+    # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
+    # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
+    target_parameters: list[str] = field(default_factory=list)
     # Megatron only: fused `lora` or per-projection `canonical_lora`.
     type: str = "lora"
     # Megatron only: initialisation of A (B always starts at zero).
@@ -400,6 +403,14 @@ def validate(run: RunConfig) -> None:
             f"model.lora.target_modules contains {name!r}: vLLM cannot load LoRA on lm_head/embed_tokens; "
             f"target the linear projections ({','.join(HF_LINEAR_PROJECTIONS)})",
         )
+        _check(
+            leaf != "gate",
+            f"model.lora.target_modules contains {name!r}: that is the MoE router, which vLLM serves no LoRA on; "
+            "target the attention projections and the experts (model.lora.target_parameters)",
+        )
+    from lorarl.expert_lora import check_target_parameters
+
+    check_target_parameters(lora.target_parameters)
     _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
     _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
     _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
