@@ -17,6 +17,8 @@ refuses those rather than send a layout the engine would misread.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +46,15 @@ class ExpertWrapper:
     module: str  # PEFT module name as saved, e.g. base_model.model.model.layers.0.mlp.experts.base_layer
     parameter: str  # gate_up_proj | down_proj
     num_experts: int
+
+
+def is_moe_checkpoint(model_path: str | os.PathLike) -> bool:
+    """Whether a local checkpoint's config.json describes routed experts (Qwen3-MoE: num_experts)."""
+    config = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config):
+        return False  # a hub id: nothing local to read
+    with open(config) as fh:
+        return int(json.load(fh).get("num_experts") or 0) > 0
 
 
 def check_target_parameters(names: Iterable[str]) -> None:

@@ -558,4 +558,8 @@ def peft_name(param_name: str) -> str:
 
 def _hf_name(param_name: str) -> str:
     name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
-    return name.replace(".base_layer.", ".")
+    # PEFT nests one wrapper per targeted parameter of a module (both expert stacks): one
+    # `.base_layer` per level, adjacent, so a single replace would leave every second one.
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name

@@ -52,7 +52,13 @@ def wrapped_param_names(worker) -> list[str]:
 def param_names(worker) -> list[str]:
     """Every parameter of the served model, `.base_layer` removed (the names a base payload covers)."""
     model = vllm_worker(worker).model_runner.get_model()
-    return [name.replace(".base_layer.", ".") for name, _ in model.named_parameters()]
+    return [_served(name) for name, _ in model.named_parameters()]
+
+
+def _served(name: str) -> str:
+    """A live parameter name without LoRA's `.base_layer` and FusedMoE's `.routed_experts`
+    levels (present or not depending on the vLLM version and whether LoRA is on)."""
+    return name.replace(".base_layer.", ".").replace(".routed_experts.", ".")
 
 
 def forget_lora_mapping(worker) -> None:
@@ -272,7 +278,7 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
     readable: list[tuple[str, str]] = []
     held: list[Tensor] = []
     for name, param in model.named_parameters():
-        name = name.replace(".base_layer.", ".")
+        name = _served(name)
         if name not in numels:
             continue
         flat = param.detach().reshape(-1)
