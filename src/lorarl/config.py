@@ -87,6 +87,9 @@ class RolloutConfig:
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
+    # MoE models: spread the experts over the tensor-parallel ranks instead of slicing each one
+    # (vLLM's enable_expert_parallel; each rank then holds and is checked on its own experts).
+    enable_expert_parallel: bool = False
     # auto/safetensors: vLLM reads the base from disk. dummy: random base, sent once by the trainer.
     load_format: str = "auto"
     # Export the adapter one FSDP unit at a time (needs the base already in vLLM).

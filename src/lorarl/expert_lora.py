@@ -36,6 +36,9 @@ VLLM_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj"
 # Parameters vLLM cannot serve LoRA on: the router (`mlp.gate`), embeddings, the output layer.
 _UNSERVABLE = re.compile(r"(^|\.)(gate|lm_head|embed_tokens)(\.|$)")
 
+# The final adapter's vLLM copy, inside the PEFT folder (PEFT ignores subfolders).
+VLLM_ADAPTER_SUBDIR = "vllm"
+
 _PEFT_PAIR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -148,6 +151,17 @@ def to_vllm_layout(tensors: Mapping[str, Tensor], wrappers: Mapping[str, ExpertW
                 stem = f"{base}.{e}.{proj}"
                 out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
                 out[f"{stem}.lora_B.weight"] = b[i * rows : (i + 1) * rows].contiguous().clone()
+    return out
+
+
+def vllm_adapter_config(peft_config: dict) -> dict:
+    """The adapter config beside the per-expert tensors: the expert projections listed as target
+    modules (the names the tensors carry), no target_parameters (nothing is stacked any more)."""
+    targets = peft_config["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    experts = [p for projections in VLLM_EXPERT_PROJECTIONS.values() for p in projections]
+    out = {k: v for k, v in peft_config.items() if k != "target_parameters"}
+    out["target_modules"] = sorted(set(targets) | set(experts))
     return out
 
 
