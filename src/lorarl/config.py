@@ -30,6 +30,9 @@ class LoraConfig:
     dropout: float = 0.0
     # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
     target_modules: list[str] = field(default_factory=lambda: list(HF_LINEAR_PROJECTIONS))
+    # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
+    # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
+    target_parameters: list[str] = field(default_factory=list)
     # Megatron only: fused `lora` or per-projection `canonical_lora`.
     type: str = "lora"
     # Megatron only: initialisation of A (B always starts at zero).
@@ -86,6 +89,9 @@ class RolloutConfig:
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
+    # MoE models: spread the experts over the tensor-parallel ranks instead of slicing each one
+    # (vLLM's enable_expert_parallel; each rank then holds and is checked on its own experts).
+    enable_expert_parallel: bool = False
     # auto/safetensors: vLLM reads the base from disk. dummy: random base, sent once by the trainer.
     load_format: str = "auto"
     # Export the adapter one FSDP unit at a time (needs the base already in vLLM).
@@ -417,6 +423,14 @@ def validate(run: RunConfig) -> None:
             f"model.lora.target_modules contains {name!r}: vLLM cannot load LoRA on lm_head/embed_tokens; "
             f"target the linear projections ({','.join(HF_LINEAR_PROJECTIONS)})",
         )
+        _check(
+            leaf != "gate",
+            f"model.lora.target_modules contains {name!r}: that is the MoE router, which vLLM serves no LoRA on; "
+            "target the attention projections and the experts (model.lora.target_parameters)",
+        )
+    from lorarl.expert_lora import check_target_parameters
+
+    check_target_parameters(lora.target_parameters)
     _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
     _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
     _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))

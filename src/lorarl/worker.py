@@ -116,6 +116,7 @@ class Worker:
             dtype=r.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_model_parallel_size,
+            enable_expert_parallel=r.enable_expert_parallel,
             load_format=r.load_format,
             # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
             enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
@@ -368,12 +369,22 @@ class Worker:
             torch.set_rng_state(load_file(str(rng))["torch"])
 
     def export_adapter(self, directory: str) -> None:
-        """The trained adapter as a standard PEFT folder (rank 0 writes; collective)."""
+        """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
+        LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
         from lorarl.checkpoint import save_peft_adapter
 
         lora = self.engine.lora_state()
         if self.rank == 0:
-            save_peft_adapter(directory, lora, self.engine.adapter_config())
+            config = self.engine.adapter_config()
+            save_peft_adapter(directory, lora, config)
+            experts = getattr(self.engine, "expert_wrappers", None)
+            if experts:
+                # PEFT reads expert LoRA as stacks, vLLM per expert: the vLLM copy goes beside it.
+                from lorarl.expert_lora import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
+
+                save_peft_adapter(
+                    Path(directory) / VLLM_ADAPTER_SUBDIR, to_vllm_layout(lora, experts), vllm_adapter_config(config)
+                )
         dist.barrier()
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -38,6 +38,7 @@ from lorarl.engines.base import (
     read_metrics,
 )
 from lorarl.errors import ConfigError, ModelError, TrainingError, first_line
+from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
@@ -72,6 +73,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        target_parameters=list(m.lora.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -79,7 +81,8 @@ def load_lora_model(run: RunConfig, device: torch.device):
         peft_model = get_peft_model(model, lora_cfg)
     except ValueError as err:
         raise ModelError(
-            f"model.lora.target_modules={list(targets)} matched no module of {m.path}: {first_line(err)}"
+            f"model.lora.target_modules={list(targets)} / target_parameters={list(m.lora.target_parameters)} "
+            f"matched nothing in {m.path}: {first_line(err)}"
         ) from err
     for p in peft_model.parameters():
         if p.requires_grad:
@@ -194,6 +197,8 @@ class FSDPEngine:
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
         if b.compile:
             compile_layers(peft_model)
+        # Before sharding: fully_shard keeps module names, and PEFT's saved names are module names.
+        self.expert_wrappers = expert_wrappers(peft_model)
         self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
@@ -353,6 +358,8 @@ class FSDPEngine:
         cfg["target_modules"] = (
             sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
         )
+        if cfg.get("target_parameters"):  # a set in PEFT; PEFT needs it back to rebuild the expert wrappers
+            cfg["target_parameters"] = sorted(cfg["target_parameters"])
         cfg["task_type"] = str(getattr(cfg.get("task_type"), "value", cfg.get("task_type")))
         cfg["peft_type"] = str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type")))
         cfg["base_model_name_or_path"] = self.run.model.path
@@ -374,6 +381,9 @@ class FSDPEngine:
                 "per_param": self._adapter_per_param,
             }
             tensors = gather[method](dtype)
+            if self.expert_wrappers:
+                # vLLM reads expert LoRA per expert (lorarl.expert_lora); checkpoints keep PEFT's stacks.
+                tensors = to_vllm_layout(tensors, self.expert_wrappers)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
@@ -447,10 +457,16 @@ class FSDPEngine:
                 for name, p in own.items():
                     if "lora_" in name:
                         continue
+                    expert = self._expert_wrapper_of(prefix + name) if merge else None
                     if merge and name.endswith(".base_layer.weight"):
                         stem = name[: -len(".base_layer.weight")]
                         a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
                         tensor = (p.float() + scale * (b.float() @ a.float())).to(p.dtype)
+                    elif expert is not None:
+                        stem = expert.module[len(prefix) :]
+                        a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
+                        delta = expert_delta(a.float(), b.float(), expert.num_experts, scale)
+                        tensor = (p.float() + delta).to(p.dtype)
                     else:
                         # A copy on the trainer's device: the unsharded storage is freed at
                         # reshard while vLLM may still hold the tensor, and the colocated engine
@@ -465,6 +481,14 @@ class FSDPEngine:
                         # consumers that save the stream refuse tensors sharing memory.
                         yield "lm_head.weight", tensor.clone()
                 unit.reshard()
+
+    def _expert_wrapper_of(self, param_name: str):
+        """The PEFT wrapper over a stacked expert parameter (full name), or None."""
+        stem, _, leaf = param_name.rpartition(".")
+        for wrapper in self.expert_wrappers.values():
+            if wrapper.parameter == leaf and stem.startswith(wrapper.module + "."):
+                return wrapper
+        return None
 
     # ---- checkpoint ------------------------------------------------------------------------
 
@@ -534,4 +558,8 @@ def peft_name(param_name: str) -> str:
 
 def _hf_name(param_name: str) -> str:
     name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
-    return name.replace(".base_layer.", ".")
+    # PEFT nests one wrapper per targeted parameter of a module (both expert stacks): one
+    # `.base_layer` per level, adjacent, so a single replace would leave every second one.
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError
+from lorarl.expert_lora import is_moe_checkpoint
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_worker
 from lorarl.sync import PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
@@ -66,6 +67,7 @@ class VLLMRollout:
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = True,
         enable_sleep_mode: bool = False,
@@ -107,6 +109,10 @@ class VLLMRollout:
         # Per HF name, of the last base payload: fingerprint sums (read when checked) and numel.
         self._sent: dict[str, tuple[Tensor, int]] = {}
         self._asleep = False
+        # vLLM's CPU build picks its Triton fused-MoE kernel whenever LoRA is enabled and fails at
+        # the first forward (AttributeError: module 'triton.language' has no attribute 'float32');
+        # the engine still starts and loads adapters, so the layout can be checked, not served.
+        self._cpu_moe_lora = self._is_cpu and self.max_lora_rank is not None and is_moe_checkpoint(model_path)
 
         kwargs: dict = dict(
             model=str(model_path),
@@ -116,6 +122,7 @@ class VLLMRollout:
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             load_format=load_format,
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
@@ -208,6 +215,11 @@ class VLLMRollout:
         """The request every generate call carries: the synced adapter, or None without one.
 
         Raises when the last adapter was rejected: serving the one before it would be silent."""
+        if self._cpu_moe_lora:
+            raise ConfigError(
+                "vLLM's CPU build cannot generate with a MoE model when LoRA is enabled (its fused-MoE LoRA kernel "
+                "is Triton-only); set model.lora.merge=true on CPU, or run adapter sync on a GPU"
+            )
         if self._rejected is not None:
             raise SyncError(
                 f"the rollout holds no valid adapter: vLLM rejected the last one ({self._rejected}); "
@@ -571,9 +583,17 @@ _FUSED_INTO = {
 _FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
+# transformers 5's fused expert stacks and the vLLM FusedMoE parameters they fill, same layout
+# ([E, 2I, H] gate rows then up rows; [E, H, I]); vllm_worker names those without the
+# version-dependent `.routed_experts` level.
+_EXPERT_STACKS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
 def served_name(name: str) -> str:
     """The parameter of vLLM's model that HF weight `name` fills (q/k/v into qkv_proj, ...)."""
     module, _, leaf = name.rpartition(".")
+    if module.endswith(".experts") and leaf in _EXPERT_STACKS:
+        return f"{module}.{_EXPERT_STACKS[leaf]}"
     prefix, _, proj = module.rpartition(".")
     fused = _FUSED_INTO.get(proj)
     return name if fused is None else f"{prefix}.{fused}.{leaf}"
@@ -582,6 +602,9 @@ def served_name(name: str) -> str:
 def hf_parts(served: str) -> list[str]:
     """The HF weights that fill vLLM parameter `served` (qkv_proj.weight -> q/k/v_proj.weight)."""
     module, _, leaf = served.rpartition(".")
+    stacks = {v: k for k, v in _EXPERT_STACKS.items()}
+    if module.endswith(".experts") and leaf in stacks:
+        return [f"{module}.{stacks[leaf]}"]
     prefix, _, fused = module.rpartition(".")
     parts = sorted((p for p, f in _FUSED_INTO.items() if f == fused), key=lambda p: _FUSED_ORDER.get(p, 0))
     return [f"{prefix}.{p}.{leaf}" for p in parts] if parts else [served]
