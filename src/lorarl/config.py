@@ -237,6 +237,10 @@ class MegatronBackendConfig:
     bridge: str = "megatron_bridge"
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # MoE only: experts split over this many ranks (must divide the experts); each expert's
+    # linears split over expert_tensor_parallel_size ranks (only 1 exports correctly).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     recompute_granularity: str | None = None
