@@ -439,3 +439,59 @@ def test_moe_megatron_presets_pass_every_check(preset, shape):
     C.check_megatron(run.model.lora, run.backend, world_size=run.world_size, **shape)
     targets = N.resolve_lora_targets(run.model.lora.target_modules, run.model.lora.type)
     assert {"linear_fc1", "linear_fc2"} <= set(targets.megatron)  # the experts carry LoRA
+
+
+def test_expert_tp_refused_when_the_config_is_composed():
+    """Refused before any GPU starts, naming the key."""
+    from lorarl.config import compose
+
+    with pytest.raises(ConfigError, match=r"^backend\.expert_tensor_parallel_size=2: "):
+        compose(["+backend=megatron", "backend.expert_tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"^model\.lora\.merge=true with backend\.expert_model_parallel_size=2"):
+        compose(
+            [
+                "+backend=megatron",
+                "backend.expert_model_parallel_size=2",
+                "model.lora.merge=true",
+                "trainer.n_gpus_per_node=2",
+            ]
+        )
+
+
+def test_gpu_check_hand_merge_matches_per_expert_merge(tmp_path):
+    """The GPU test's HF side merges the per-expert adapter into transformers' fused experts by
+    hand; on a real tiny Qwen3-MoE that must give the logits of the model whose per-expert
+    checkpoint weights were merged one by one (and differ from the base)."""
+    from safetensors.torch import load_file
+
+    from tests.gpu.test_megatron_moe_gpu import hand_merged_state
+
+    model = _tiny_moe(2)  # float32: transformers' grouped expert matmul has no float64 kernel
+    model.save_pretrained(str(tmp_path))
+    disk = {k: v.double() for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    gen, scale = _gen(8), ALPHA / RANK
+    adapter, per_expert = {}, dict(disk)
+    for layer in range(2):
+        for expert in range(E):
+            fc1 = (
+                torch.randn(RANK, H, generator=gen, dtype=torch.float64),
+                torch.randn(2 * I, RANK, generator=gen, dtype=torch.float64),
+            )
+            fc2 = (
+                torch.randn(RANK, I, generator=gen, dtype=torch.float64),
+                torch.randn(H, RANK, generator=gen, dtype=torch.float64),
+            )
+            adapter.update(M.expert_lora_to_peft(layer, expert, fc1, fc2))
+    for name, a in adapter.items():
+        if name.endswith("lora_A.weight"):
+            weight = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            per_expert[weight] = per_expert[weight] + scale * adapter[name.replace("lora_A", "lora_B")] @ a
+    ids = torch.randint(0, 96, (2, 9), generator=gen)
+    with torch.no_grad():
+        base_logits = model(ids).logits
+        model.load_state_dict({**model.state_dict(), **hand_merged_state(model.state_dict(), adapter, scale, I)})
+        hand = model(ids).logits
+        model.load_state_dict({**model.state_dict(), **M.fuse_experts(per_expert, E)})
+        reference = model(ids).logits
+    assert (hand - base_logits).abs().max() > 1e-2
+    torch.testing.assert_close(hand, reference, rtol=0, atol=1e-6)

@@ -194,12 +194,14 @@ def hf_dir(tmp_path_factory) -> Path:
     return d
 
 
-def hand_merged_state(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' Qwen3-MoE state (fused experts) with every LoRA tensor merged in, in float64."""
+def hand_merged_state(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float, expert_width: int
+) -> dict[str, torch.Tensor]:
+    """transformers' Qwen3-MoE state (fused experts: gate_up_proj[e] = [gate; up]) with every
+    LoRA tensor merged in (W + scale * B A), in float64. Tested on CPU in tests/test_megatron_moe.py."""
     from lorarl.engines.megatron.names import parse_expert_lora_name
 
     out = {k: v.double().clone() for k, v in base.items()}
-    scale = ALPHA / RANK
     for name, a in adapter.items():
         if not name.endswith("lora_A.weight"):
             continue
@@ -214,7 +216,7 @@ def hand_merged_state(base: dict[str, torch.Tensor], adapter: dict[str, torch.Te
         if proj == "down_proj":
             out[f"{stem}.down_proj"][expert] += delta
         else:
-            rows = slice(0, EXPERT_WIDTH) if proj == "gate_proj" else slice(EXPERT_WIDTH, 2 * EXPERT_WIDTH)
+            rows = slice(0, expert_width) if proj == "gate_proj" else slice(expert_width, 2 * expert_width)
             out[f"{stem}.gate_up_proj"][expert][rows] += delta
     return out
 
@@ -260,7 +262,8 @@ def test_megatron_moe_expert_lora_against_hf(hf_dir, tmp_path, ep, dtype):
     probe = load_file(str(out / "probe.safetensors"))
     mask = probe["mask"].bool()
     hf_base = _hf_logp(base_model, probe["ids"])
-    merged_state = hand_merged_state({k: v.float().cpu() for k, v in base_model.state_dict().items()}, adapter)
+    base_state = {k: v.float().cpu() for k, v in base_model.state_dict().items()}
+    merged_state = hand_merged_state(base_state, adapter, ALPHA / RANK, EXPERT_WIDTH)
     base_model.load_state_dict({k: v.to(torch_dtype) for k, v in merged_state.items()})
     hf_lora = _hf_logp(base_model, probe["ids"])
     diff_policy = (hf_lora - probe["policy"]).abs()[mask]
