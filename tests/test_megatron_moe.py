@@ -363,6 +363,7 @@ def test_provider_plan_sets_expert_parallel_and_local_moe_kernels_off(src):
     plan = C.provider_plan(_backend(expert_model_parallel_size=8), "bfloat16")
     assert plan.settings["expert_model_parallel_size"] == 8 and plan.settings["expert_tensor_parallel_size"] == 1
     assert plan.settings["moe_grouped_gemm"] is False and plan.settings["moe_permute_fusion"] is False
+    assert plan.settings["moe_router_dtype"] == "fp32"
     fields = set(src.api(src.mb / "models/gpt_provider.py", "GPTModelProvider").fields)
     assert set(plan.settings) <= fields, set(plan.settings) - fields
     # Qwen3MoEBridge turns both kernels on; the local spec must turn them off again.

@@ -155,6 +155,10 @@ def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
         # expert adapter export cannot handle (lorarl.engines.megatron.experts).
         "expert_model_parallel_size": int(backend.expert_model_parallel_size),
         "expert_tensor_parallel_size": int(backend.expert_tensor_parallel_size),
+        # Top-k routing is discrete: router logits in bf16 pick other experts for near-tied
+        # tokens than vLLM's float32 top-k softmax, a trainer/rollout mismatch the probe would
+        # show. megatron-core itself warns without it at >= 32 experts. Ignored by dense models.
+        "moe_router_dtype": "fp32",
         "sequence_parallel": bool(backend.sequence_parallel),
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",
