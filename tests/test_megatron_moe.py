@@ -289,35 +289,72 @@ def _full_expert_adapter(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _local_part(full: dict[str, torch.Tensor], ep: X.ExpertParallel) -> dict[str, torch.Tensor]:
-    keep = set(ep.local_experts())
-    return {k: v for k, v in full.items() if (p := N.parse_expert_lora_name(k)) is None or p[1] in keep}
+def _local_part(
+    full: dict[str, torch.Tensor], ep: X.ExpertParallel, local_numbers: bool = False
+) -> dict[str, torch.Tensor]:
+    """This rank's experts, numbered as the bridge exports them (locally) or globally."""
+    keep, start = set(ep.local_experts()), ep.local_experts().start
+    out = {}
+    for k, v in full.items():
+        p = N.parse_expert_lora_name(k)
+        if p is None:
+            out[k] = v
+        elif p[1] in keep:
+            out[N.expert_lora_name(p[0], p[1] - start, p[2], p[3]) if local_numbers else k] = v
+    return out
 
 
 def _gather_worker(rank: int, world: int, init: str, seed: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         ep = X.ExpertParallel(E, world, rank)
-        local = _local_part(_full_expert_adapter(seed), ep)
-        got = X.gather_expert_adapter(local, ep, X.torch_all_gather(dist.group.WORLD, world))
-        torch.save(got, f"{out}.{rank}")
+        gather = X.torch_all_gather(dist.group.WORLD, world)
+        full = _full_expert_adapter(seed)
+        for numbering in ("local", "global"):
+            got = X.gather_expert_adapter(_local_part(full, ep, numbering == "local"), ep, gather)
+            torch.save(got, f"{out}.{numbering}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
 def test_expert_parallel_gather_over_two_gloo_ranks(tmp_path):
-    """Each rank exports only its experts (the bridge's SequentialMLP path); after the gather
-    both ranks hold the whole adapter, every tensor under its global expert index."""
+    """Each rank exports only its experts (the bridge's SequentialMLP path, numbered locally);
+    after the gather both ranks hold the whole adapter, every tensor under its global number."""
     import torch.multiprocessing as mp
 
     full = _full_expert_adapter(seed=11)
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_gather_worker, args=(2, init, 11, str(tmp_path / "got")), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"got.{rank}", weights_only=True)
-        assert got.keys() == full.keys()
-        for k in full:
-            assert torch.equal(got[k], full[k]), (rank, k)
+    for numbering in ("local", "global"):
+        for rank in range(2):
+            got = torch.load(tmp_path / f"got.{numbering}.{rank}", weights_only=True)
+            assert got.keys() == full.keys()
+            for k in full:
+                assert torch.equal(got[k], full[k]), (numbering, rank, k)
+
+
+def test_bridge_numbers_expert_adapters_locally(src):
+    """Megatron-Bridge's own `_megatron_local_name_to_global` at expert parallel 2, rank 1 of
+    8 experts: a base expert weight gets its global number, the same expert's adapter keeps
+    the local one (hence the renumbering in gather_expert_adapter)."""
+    import re
+    import typing
+
+    group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
+    fn = load_functions(
+        src.mb / "models/conversion/model_bridge.py",
+        ["_megatron_local_name_to_global"],
+        {
+            "re": re, "Optional": typing.Optional, "List": list, "MegatronModule": object,
+            "TransformerConfig": object, "_get_pp_group": lambda models: types.SimpleNamespace(size=lambda: 1),
+            "_get_ep_group": lambda models: group, "get_pg_size": lambda g: g.size(),
+        },
+    )["_megatron_local_name_to_global"]  # fmt: skip
+    config = types.SimpleNamespace(num_moe_experts=8)
+    base = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    adapter = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.adapter.linear_in.weight"
+    assert fn([], config, base) == "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert fn([], config, adapter) == adapter
 
 
 def test_gather_is_a_no_op_when_complete_and_refuses_partial_sets():
@@ -327,10 +364,8 @@ def test_gather_is_a_no_op_when_complete_and_refuses_partial_sets():
         raise AssertionError("no collective expected")
 
     assert X.gather_expert_adapter(full, X.ExpertParallel(E, 2, 1), never).keys() == full.keys()
-    wrong = _local_part(full, X.ExpertParallel(E, 2, 0))  # rank 0's experts on rank 1
-    with pytest.raises(
-        SyncError, match=r"expert-parallel rank 1/2 holds experts 0\.\.1; expected all 4 or this rank's 2\.\.3"
-    ):
+    wrong = _local_part(full, X.ExpertParallel(E, 4, 1))  # expert 1 alone, on rank 1 of 2
+    with pytest.raises(SyncError, match=r"rank 1/2 holds experts 1\.\.1; expected all 4, or this rank's 2\.\.3"):
         X.gather_expert_adapter(wrong, X.ExpertParallel(E, 2, 1), never)
 
 

@@ -15,8 +15,10 @@ Pure torch (plus torch.distributed for the gather); no Megatron import.
   (Megatron-Bridge #5635). Refused up front, not detected late.
 - Expert parallelism (`gather_expert_adapter`): with the local layer spec experts are a
   SequentialMLP, and the bridge's adapter export yields on each expert-parallel rank only the
-  experts that rank holds (adapter mappings skip the expert-parallel gather base weights get).
-  The trainer gathers the rest so every rank holds the whole adapter, as for dense models.
+  experts that rank holds, numbered locally: base weights get the expert-parallel gather and
+  global numbers (`_megatron_local_name_to_global`), adapter parameters get neither, so rank 1
+  of 2 names its expert 64 "experts.0", a silent mislabel. The trainer renumbers and gathers, so
+  every rank holds the whole adapter under global expert numbers, as for dense models.
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ def gather_expert_adapter(
     """The whole adapter on every expert-parallel rank, from each rank's own experts.
 
     Collective over the expert-parallel group whenever this rank's expert tensors are its local
-    experts only; a no-op when every expert is already present (grouped experts, which the
-    bridge gathers itself, or ep_size 1). Both cases are the same on every rank of a run, so
-    all ranks take the same branch. Anything else is a SyncError naming what was found.
+    experts only, numbered 0..E/ep-1 (as Megatron-Bridge 0.6.2 exports them) or already by
+    their global numbers; a no-op when every expert is present (grouped experts, which the
+    bridge gathers itself, or ep_size 1). The case is the same on every rank of a run, so all
+    ranks take the same branch. Anything else is a SyncError naming what was found.
     Non-expert tensors (attention) pass through unchanged.
     """
     own = {n: parse_expert_lora_name(n) for n in tensors}
@@ -137,12 +140,13 @@ def gather_expert_adapter(
     if not experts or present == set(range(ep.num_experts)):
         return dict(tensors)
     local = set(ep.local_experts())
-    if ep.ep_size == 1 or present != local:
+    if ep.ep_size == 1 or present not in (local, set(range(ep.local))):
         raise SyncError(
             f"the expert adapter export on expert-parallel rank {ep.ep_rank}/{ep.ep_size} holds experts "
-            f"{_span(present)}; expected all {ep.num_experts} or this rank's {_span(local)}"
+            f"{_span(present)}; expected all {ep.num_experts}, or this rank's {_span(local)} numbered "
+            f"globally or 0..{ep.local - 1} locally"
         )
-    start = ep.local_experts().start
+    start = min(present)  # 0 when numbered locally
     # One fixed order of (layer, local slot, projection, A|B), the same on every rank.
     slots = sorted(experts, key=lambda n: (experts[n][0], experts[n][1] - start, experts[n][2], experts[n][3]))
     dtypes = {tensors[n].dtype for n in slots}
