@@ -258,7 +258,12 @@ def test_megatron_moe_expert_lora_against_hf(hf_dir, tmp_path, ep, dtype):
     )
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    base_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype).cuda().eval()
+    # eager experts: a plain per-expert matmul loop as the reference (no grouped-GEMM kernel choice)
+    base_model = (
+        AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, experts_implementation="eager")
+        .cuda()
+        .eval()
+    )
     probe = load_file(str(out / "probe.safetensors"))
     mask = probe["mask"].bool()
     hf_base = _hf_logp(base_model, probe["ids"])
