@@ -531,3 +531,42 @@ def test_gpu_check_hand_merge_matches_per_expert_merge(tmp_path):
         reference = model(ids).logits
     assert (hand - base_logits).abs().max() > 1e-2
     torch.testing.assert_close(hand, reference, rtol=0, atol=1e-6)
+
+
+def test_bridge_adapter_export_of_experts_through_lorarl(src, tmp_path):
+    """MegatronBridgeAdapter over an object with exactly AutoBridge's real methods, yielding the
+    expert adapter as Megatron-Bridge does (its names; one A tensor object for an expert's
+    gate and up): PEFT names out, every tensor its own copy (safetensors refuses shared
+    storage), and the per-expert payload passes lorarl.sync's checks."""
+    from safetensors.torch import save_file
+
+    from lorarl.engines.megatron.bridge import MegatronBridgeAdapter
+    from lorarl.engines.megatron.config_map import peft_adapter_config
+    from lorarl.sync import PayloadKind, WeightPayload
+    from tests.megatron_source import spec_object
+
+    raw = _bridge_expert_adapter_names(src, layers=1)
+    shared_a = {}
+
+    def export_adapter_weights(bound):
+        for name in raw:
+            layer, expert, proj, ab = N.parse_expert_lora_name(name)
+            if ab == "A" and proj != "down_proj":  # fused linear_fc1: one A for gate and up
+                yield name, shared_a.setdefault((layer, expert), torch.randn(RANK, H))
+            else:
+                yield (
+                    name,
+                    torch.randn(RANK, I if proj == "down_proj" else H)
+                    if ab == "A"
+                    else torch.randn(H if proj == "down_proj" else I, RANK),
+                )
+
+    api = src.api(src.mb / "models/conversion/auto_bridge.py", "AutoBridge")
+    adapter = MegatronBridgeAdapter(spec_object(api, {"export_adapter_weights": export_adapter_weights}, []))
+    out = dict(adapter.export_adapter(["model"]))
+    assert len(out) == E * 6 and all(k.startswith("base_model.model.model.layers.0.mlp.experts.") for k in out)
+    gate_a, up_a = (out[N.expert_lora_name(0, 2, p, "A")] for p in ("gate_proj", "up_proj"))
+    assert torch.equal(gate_a, up_a) and gate_a.data_ptr() != up_a.data_ptr()
+    save_file(out, str(tmp_path / "adapter_model.safetensors"))
+    payload = WeightPayload.adapter(out, peft_adapter_config(LoraConfig(rank=RANK, alpha=16)))
+    assert payload.kind is PayloadKind.ADAPTER and len(payload.tensors) == E * 6
