@@ -5,8 +5,8 @@ Pure torch (plus torch.distributed for the gather); no Megatron import.
 - The one naming rule: an expert's adapter travels per expert, under the names of the HF
   checkpoint's per-expert linears (`model.layers.L.mlp.experts.E.gate_proj`, as Qwen3-MoE
   checkpoints store them on disk and transformers 5.x saves them), which is also what vLLM's
-  2D fused-MoE LoRA loader expects for Qwen3-MoE (`experts.E.gate_proj|up_proj|down_proj`
-  from FusedMoE.make_expert_params_mapping) and what Megatron-Bridge 0.6.2's Qwen3MoEBridge
+  2D fused-MoE LoRA loader expects for Qwen3-MoE (`experts.E.gate_proj|up_proj|down_proj`,
+  its expert params mapping in 0.26 and 0.32) and what Megatron-Bridge 0.6.2's Qwen3MoEBridge
   export yields. Full tensors: vLLM slices them itself under its own tensor parallelism.
 - Which expert layouts export correctly (`check_expert_parallel`): expert tensor parallelism
   > 1 does not. Megatron-Bridge 0.6.2 splits an expert's fused [gate; up] LoRA B as if it were
@@ -53,8 +53,9 @@ def check_expert_parallel(backend: Any, num_experts: int | None = None, merge: b
         )
     if ep > 1 and merge:
         raise ConfigError(
-            f"model.lora.merge=true with backend.expert_model_parallel_size={ep}: the bridge merges each rank's own "
-            "expert adapters only, so remote experts would be pushed unmerged; use model.lora.merge=false (adapter sync)"
+            f"model.lora.merge=true with backend.expert_model_parallel_size={ep}: Megatron-Bridge numbers expert adapters "
+            "per rank but gathers base experts over ranks, so a merge could pair an expert with another's adapter; "
+            "use model.lora.merge=false (adapter sync)"
         )
     if num_experts is None:
         return
