@@ -260,6 +260,10 @@ class MegatronBackendConfig:
     bridge: str = "megatron_bridge"
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # MoE only: experts split over this many ranks (must divide the experts); each expert's
+    # linears split over expert_tensor_parallel_size ranks (only 1 exports correctly).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     recompute_granularity: str | None = None
@@ -589,6 +593,9 @@ def validate(run: RunConfig) -> None:
         b = run.backend
         _one_of("backend.bridge", b.bridge, ("megatron_bridge", "mbridge"))
         _one_of("backend.transformer_impl", b.transformer_impl, ("transformer_engine", "local"))
+        from lorarl.engines.megatron.experts import check_expert_parallel
+
+        check_expert_parallel(b, num_experts=None, merge=lora.merge)  # the model's experts: in the engine
         _check(
             not (a.use_dynamic_bsz and b.pipeline_model_parallel_size > 1),
             "actor.use_dynamic_bsz=true with backend.pipeline_model_parallel_size>1: pipeline stages exchange "

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorarl.engines.megatron.experts import check_expert_parallel
 from lorarl.engines.megatron.names import LORA_TYPES, resolve_lora_targets
 from lorarl.errors import ConfigError
 
@@ -33,6 +34,11 @@ LOCAL_SPEC_FUSIONS_OFF = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
+    # MoE: grouped GEMM experts and fused token permutation are TransformerEngine kernels;
+    # the local spec builds experts as a SequentialMLP of megatron-core linears instead.
+    # Qwen3MoEBridge turns both on; harmless on dense models (no experts to build).
+    "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -145,6 +151,14 @@ def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
     settings: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        # Set even when 1: megatron-core defaults expert TP to the attention TP, which the
+        # expert adapter export cannot handle (lorarl.engines.megatron.experts).
+        "expert_model_parallel_size": int(backend.expert_model_parallel_size),
+        "expert_tensor_parallel_size": int(backend.expert_tensor_parallel_size),
+        # Top-k routing is discrete: router logits in bf16 pick other experts for near-tied
+        # tokens than vLLM's float32 top-k softmax, a trainer/rollout mismatch the probe would
+        # show. megatron-core itself warns without it at >= 32 experts. Ignored by dense models.
+        "moe_router_dtype": "fp32",
         "sequence_parallel": bool(backend.sequence_parallel),
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",
@@ -215,11 +229,12 @@ def check_megatron(
     num_key_value_heads: int | None = None,
     vocab_size: int | None = None,
     world_size: int | None = None,
+    num_experts: int | None = None,
 ) -> None:
     """Everything Megatron would assert later, checked up front with lorarl's key names.
 
     Model-shape arguments are optional so the config-only part runs before the HF config
-    is read; pass them once it is.
+    is read; pass them once it is (num_experts: 0 for a dense model, None when unknown).
     """
     tp = backend.tensor_model_parallel_size
     pp = backend.pipeline_model_parallel_size
@@ -258,10 +273,17 @@ def check_megatron(
                 "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge"
             )
     _check_recompute(backend, num_layers, pp)
+    check_expert_parallel(backend, num_experts, merge=bool(lora.merge))
     overrides = backend.override_transformer_config or {}
     if not isinstance(overrides, Mapping):
         raise ConfigError("backend.override_transformer_config must be a mapping of TransformerConfig fields to values")
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"):
+    for key in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "sequence_parallel",
+    ):
         if key in overrides:
             raise ConfigError(
                 f"backend.override_transformer_config.{key} duplicates backend.{key}; set backend.{key} instead"
@@ -270,6 +292,13 @@ def check_megatron(
         raise ConfigError(
             f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {tp * pp} "
             f"must divide the {world_size} devices"
+        )
+    ep = backend.expert_model_parallel_size * backend.expert_tensor_parallel_size
+    if world_size is not None and world_size % (ep * pp):
+        # megatron-core builds expert groups as ETP x EP x expert-DP inside each pipeline stage.
+        raise ConfigError(
+            f"backend.expert_model_parallel_size x backend.expert_tensor_parallel_size x "
+            f"backend.pipeline_model_parallel_size = {ep * pp} must divide the {world_size} devices"
         )
     if num_attention_heads is not None and num_attention_heads % tp:
         raise ConfigError(
