@@ -25,4 +25,8 @@ def prompt_batches(
 
     train, dropped = items(data.train_files)
     val = items(data.val_files)[0] if validation and data.val_files else []
-    return PromptLoader(train, data.gen_batch_size or data.train_batch_size, shuffle=data.shuffle, seed=seed), val, dropped
+    return (
+        PromptLoader(train, data.gen_batch_size or data.train_batch_size, shuffle=data.shuffle, seed=seed),
+        val,
+        dropped,
+    )
