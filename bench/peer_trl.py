@@ -62,6 +62,17 @@ def run_ours(cache: Path, steps: int, tmp: Path, threads: int | None) -> list[di
     return run_grpo(tmp / f"ours_t{threads}", cache, overrides, threads=threads)
 
 
+def arith_train_file(cache: Path) -> str:
+    """The arith train parquet the lorarl run reads (conf/data/arith.yaml names the folder), written if missing."""
+    os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in the data config reads it
+    from lorarl.config import compose
+    from lorarl.trainer import prepare_data
+
+    run = compose(["+backend=fsdp", "data=arith"])
+    prepare_data(run)
+    return run.data.train_files[0]
+
+
 def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
     out = tmp / "trl.json"
     env = {
@@ -78,7 +89,7 @@ def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
         "--model",
         str(cache / "qwen2_tiny"),
         "--train-parquet",
-        str(cache / "data" / "arith_n1024" / "train.parquet"),
+        arith_train_file(cache),
         "--steps",
         str(steps),
         "--prompts",
