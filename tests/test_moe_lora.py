@@ -198,9 +198,11 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
 
 
 @pytest.mark.slow
-def test_tiny_moe_trains_with_merged_sync_checked_every_step(run_cache: Path, tiny_moe_path: Path, tmp_path: Path):
+def test_tiny_moe_trains_with_merged_sync_checked_every_step(tiny_moe_path: Path, tmp_path: Path):
     """`python -m recipes.grpo +backend=fsdp model=qwen3_moe_tiny` at a shorter length: every
     step's merged weights checked, the probe within its bound, the reward rising."""
+    run_cache = tiny_moe_path.parent / "moe_run_cache"  # the session's MoE build under the preset's name
+    run_cache.mkdir(exist_ok=True)
     link = run_cache / "qwen3_moe_tiny"
     if not link.exists():
         link.symlink_to(tiny_moe_path, target_is_directory=True)
