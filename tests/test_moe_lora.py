@@ -27,6 +27,7 @@ from lorarl.expert_lora import (
     check_target_parameters,
     expert_delta,
     expert_wrappers,
+    is_moe_checkpoint,
     to_vllm_layout,
 )
 from lorarl.sync import WeightPayload
@@ -168,7 +169,8 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     config = {"r": 1, "lora_alpha": 3, "target_modules": ATTENTION + ["gate_proj", "up_proj", "down_proj"]}
     payload = WeightPayload.adapter(tensors, config)
     hf = json.loads((tiny_moe_path / "config.json").read_text())
-    hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
+    hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_local_experts"]
+    assert is_moe_checkpoint(tiny_moe_path)
     with VLLMRollout(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, adapter_transport="memory") as rollout:
         rollout.apply(payload)
         held = rollout.held_adapter_slots()

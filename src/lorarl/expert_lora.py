@@ -52,12 +52,14 @@ class ExpertWrapper:
 
 
 def is_moe_checkpoint(model_path: str | os.PathLike) -> bool:
-    """Whether a local checkpoint's config.json describes routed experts (Qwen3-MoE: num_experts)."""
+    """Whether a local checkpoint's config.json describes routed experts."""
     config = os.path.join(model_path, "config.json")
     if not os.path.isfile(config):
         return False  # a hub id: nothing local to read
     with open(config) as fh:
-        return int(json.load(fh).get("num_experts") or 0) > 0
+        saved = json.load(fh)
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (an attribute alias).
+    return int(saved.get("num_experts") or saved.get("num_local_experts") or 0) > 0
 
 
 def check_target_parameters(names: Iterable[str]) -> None:
