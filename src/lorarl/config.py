@@ -414,11 +414,6 @@ def validate(run: RunConfig) -> None:
     from lorarl.expert_lora import check_target_parameters
 
     check_target_parameters(lora.target_parameters)
-    _check(
-        not (megatron and lora.target_parameters),
-        "model.lora.target_parameters (PEFT's fused-expert LoRA) is read by backend fsdp only; on Megatron the "
-        "experts are reached through model.lora.target_modules (linear_fc1, linear_fc2); set it to []",
-    )
     _one_of("model.lora.type", lora.type, ("lora", "canonical_lora"))
     _one_of("model.lora.init_A", lora.init_A, ("xavier", "kaiming", "normal"))
     _one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))

@@ -78,6 +78,13 @@ def check_target_parameters(names: Iterable[str]) -> None:
             )
 
 
+def expert_projections(target_parameters: Iterable[str]) -> list[str]:
+    """The per-expert projections (gate_proj, up_proj, down_proj) the fused parameters cover:
+    how a backend that keeps experts as linear modules (Megatron) reads target_parameters."""
+    check_target_parameters(target_parameters)
+    return [p for name in target_parameters for p in VLLM_EXPERT_PROJECTIONS[name.rsplit(".", 1)[-1]]]
+
+
 def expert_wrappers(model: torch.nn.Module, prefix_of=lambda name: name) -> dict[str, ExpertWrapper]:
     """Every PEFT ParamWrapper over a 3-D expert parameter, by its saved module name."""
     out = {}
