@@ -221,5 +221,5 @@ def test_tiny_moe_trains_with_merged_sync_checked_every_step(tiny_moe_path: Path
     assert all(r["sync/weights_match"] == 1.0 for r in steps)
     probed = [r for r in steps if "sync/logprob_diff_max" in r]
     assert len(probed) >= 8 and all(math.isfinite(r["sync/logprob_diff_max"]) for r in probed)
-    reward = [r["critic/score/mean"] for r in steps]
+    reward = [r["reward/mean"] for r in steps]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward
