@@ -122,11 +122,15 @@ def test_qwen_model_presets_are_the_shared_base_plus_size_dependent_keys(model):
     assert list(body.pop("defaults")) == ["/model_base/qwen_lora", "_self_"]
     keys = set(_flat(OmegaConf.to_container(body)))
     assert {"model.path", "actor.optim.lr", "actor.ppo_max_token_len_per_gpu"} <= keys
+    # MoE presets also say which weights get LoRA (the experts through target_parameters) and
+    # the rank that keeps expert LoRA's optimizer state affordable.
+    moe = {"model.lora.rank", "model.lora.alpha", "model.lora.target_modules", "model.lora.target_parameters"}
     assert keys <= {
         "model.path",
         "actor.optim.lr",
         "actor.ppo_max_token_len_per_gpu",
         "model.enable_gradient_checkpointing",
+        *(moe if "model.lora.target_parameters" in keys else ()),
     }
 
 

@@ -27,6 +27,7 @@ from lorarl.expert_lora import (
     check_target_parameters,
     expert_delta,
     expert_wrappers,
+    is_moe_checkpoint,
     to_vllm_layout,
 )
 from lorarl.sync import WeightPayload
@@ -168,7 +169,8 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     config = {"r": 1, "lora_alpha": 3, "target_modules": ATTENTION + ["gate_proj", "up_proj", "down_proj"]}
     payload = WeightPayload.adapter(tensors, config)
     hf = json.loads((tiny_moe_path / "config.json").read_text())
-    hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_experts"]
+    hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_local_experts"]
+    assert is_moe_checkpoint(tiny_moe_path)
     with VLLMRollout(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, adapter_transport="memory") as rollout:
         rollout.apply(payload)
         held = rollout.held_adapter_slots()
@@ -198,9 +200,11 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
 
 
 @pytest.mark.slow
-def test_tiny_moe_trains_with_merged_sync_checked_every_step(run_cache: Path, tiny_moe_path: Path, tmp_path: Path):
+def test_tiny_moe_trains_with_merged_sync_checked_every_step(tiny_moe_path: Path, tmp_path: Path):
     """`python -m recipes.grpo +backend=fsdp model=qwen3_moe_tiny` at a shorter length: every
     step's merged weights checked, the probe within its bound, the reward rising."""
+    run_cache = tiny_moe_path.parent / "moe_run_cache"  # the session's MoE build under the preset's name
+    run_cache.mkdir(exist_ok=True)
     link = run_cache / "qwen3_moe_tiny"
     if not link.exists():
         link.symlink_to(tiny_moe_path, target_is_directory=True)
@@ -217,5 +221,5 @@ def test_tiny_moe_trains_with_merged_sync_checked_every_step(run_cache: Path, ti
     assert all(r["sync/weights_match"] == 1.0 for r in steps)
     probed = [r for r in steps if "sync/logprob_diff_max" in r]
     assert len(probed) >= 8 and all(math.isfinite(r["sync/logprob_diff_max"]) for r in probed)
-    reward = [r["critic/score/mean"] for r in steps]
+    reward = [r["reward/mean"] for r in steps]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward

@@ -52,12 +52,14 @@ class ExpertWrapper:
 
 
 def is_moe_checkpoint(model_path: str | os.PathLike) -> bool:
-    """Whether a local checkpoint's config.json describes routed experts (Qwen3-MoE: num_experts)."""
+    """Whether a local checkpoint's config.json describes routed experts."""
     config = os.path.join(model_path, "config.json")
     if not os.path.isfile(config):
         return False  # a hub id: nothing local to read
     with open(config) as fh:
-        return int(json.load(fh).get("num_experts") or 0) > 0
+        saved = json.load(fh)
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (an attribute alias).
+    return int(saved.get("num_experts") or saved.get("num_local_experts") or 0) > 0
 
 
 def check_target_parameters(names: Iterable[str]) -> None:
@@ -74,6 +76,13 @@ def check_target_parameters(names: Iterable[str]) -> None:
                 f"model.lora.target_parameters contains {name!r}: lorarl exports LoRA on the fused expert "
                 f"parameters {', '.join(VLLM_EXPERT_PROJECTIONS)} only (e.g. {QWEN3_MOE_EXPERT_PARAMETERS[0]})"
             )
+
+
+def expert_projections(target_parameters: Iterable[str]) -> list[str]:
+    """The per-expert projections (gate_proj, up_proj, down_proj) the fused parameters cover:
+    how a backend that keeps experts as linear modules (Megatron) reads target_parameters."""
+    check_target_parameters(target_parameters)
+    return [p for name in target_parameters for p in VLLM_EXPERT_PROJECTIONS[name.rsplit(".", 1)[-1]]]
 
 
 def expert_wrappers(model: torch.nn.Module, prefix_of=lambda name: name) -> dict[str, ExpertWrapper]:

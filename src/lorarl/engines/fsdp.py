@@ -42,6 +42,7 @@ from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
+LIGER_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,7 +63,9 @@ def load_lora_model(run: RunConfig, device: torch.device):
         )
     except (OSError, ValueError) as err:
         raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
-    if liger:
+    # Automatic (null) only where Liger has kernels for the model (not Qwen3-MoE); asked for
+    # explicitly, an unsupported model is an error.
+    if liger and (run.backend.liger_kernel or model.config.model_type in LIGER_MODEL_TYPES):
         apply_liger_kernel(model)
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -117,7 +120,9 @@ def apply_liger_kernel(model) -> None:
             f"backend.liger_kernel: liger-kernel is not importable ({first_line(err)}); "
             "pip install -e '.[gpu]', or set backend.liger_kernel=false"
         ) from err
-    patch = {"qwen2": apply_liger_kernel_to_qwen2, "qwen3": apply_liger_kernel_to_qwen3}.get(model.config.model_type)
+    patch = dict(zip(LIGER_MODEL_TYPES, (apply_liger_kernel_to_qwen2, apply_liger_kernel_to_qwen3))).get(
+        model.config.model_type
+    )
     if patch is None:
         raise ConfigError(
             f"backend.liger_kernel: no Liger kernels for model_type {model.config.model_type!r} "

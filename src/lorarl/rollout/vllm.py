@@ -381,6 +381,8 @@ class VLLMRollout:
                     yield resolve_base_name(name, live), tensor
 
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": resolved()})
+            if self._is_cpu:
+                self.run_in_worker(vllm_worker.prepack_cpu_experts)
         except Exception as exc:
             # Close vLLM's half-done reload so the next base payload starts clean (without
             # this, a second failed sync in a row wedged every later reload).

@@ -61,6 +61,28 @@ def _served(name: str) -> str:
     return name.replace(".base_layer.", ".").replace(".routed_experts.", ".")
 
 
+def _cpu_prepacked_experts(model):
+    """(name, layer, experts kernel) of every fused-MoE layer vLLM's CPU build keeps prepacked."""
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
+            yield name, module, experts
+
+
+def prepack_cpu_experts(worker) -> int:
+    """vLLM 0.32's CPU build re-lays fused-MoE expert weights for its grouped GEMM (in place, same
+    shape) at the first load only: on a weight update its unquantized MoE method skips that step
+    (`is_weight_update`), so after reload_weights the kernel reads raw weights as packed ones and
+    the MoE layers compute garbage (measured: reloading the unchanged tiny MoE moved its log-probs
+    by up to 1.0). Re-run the kernel's own step; returns how many layers it repacked."""
+    model = vllm_worker(worker).model_runner.get_model()
+    layers = list(_cpu_prepacked_experts(model))
+    for _, layer, experts in layers:
+        experts.process_weights_after_loading(layer)
+    return len(layers)
+
+
 def forget_lora_mapping(worker) -> None:
     """Drop the LoRA manager's memory of the last batch mapping."""
     _, adapters = _lora_adapters(worker)
@@ -275,6 +297,10 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
     GEMM library's layout and leaves an empty tensor) come back as None."""
     model = vllm_worker(worker).model_runner.get_model()
     out: dict[str, tuple | None] = {}
+    # The CPU build's prepacked expert stacks hold another layout than the one sent: unreadable.
+    packed = {
+        _served(f"{name}.{p}.") for name, _, _ in _cpu_prepacked_experts(model) for p in ("w13_weight", "w2_weight")
+    }
     readable: list[tuple[str, str]] = []
     held: list[Tensor] = []
     for name, param in model.named_parameters():
@@ -282,7 +308,7 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
         if name not in numels:
             continue
         flat = param.detach().reshape(-1)
-        if flat.numel() < numels[name]:
+        if flat.numel() < numels[name] or f"{name}." in packed:
             out[name] = None
             continue
         readable.append((name, str(param.dtype)))

@@ -16,6 +16,7 @@ from typing import Any
 from lorarl.engines.megatron.experts import check_expert_parallel
 from lorarl.engines.megatron.names import LORA_TYPES, resolve_lora_targets
 from lorarl.errors import ConfigError
+from lorarl.expert_lora import expert_projections
 
 INIT_METHODS = ("xavier", "kaiming", "normal")  # ParallelLinearAdapter._get_init_fn; "zero" is B's
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -83,7 +84,9 @@ def peft_spec(lora: Any) -> PeftSpec:
     dropout = float(lora.dropout)
     if not 0.0 <= dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={dropout} must be in [0, 1)")
-    targets = resolve_lora_targets(list(lora.target_modules), lora_type)
+    # Megatron's experts are linear_fc1/linear_fc2 modules: the fused-expert parameters name them.
+    experts = expert_projections(getattr(lora, "target_parameters", ()) or ())
+    targets = resolve_lora_targets(list(lora.target_modules) + experts, lora_type)
     kwargs = {
         "target_modules": list(targets.megatron),
         "dim": rank,
