@@ -34,7 +34,7 @@ $PY - "$RUN/metrics.jsonl" "$OUT/moe_step.json" "$M" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 keep = ("step", "timing/", "sync/", "perf/", "reward/")
-steps = [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "step" in r]
+steps = [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "sync/kind" in r]
 info = json.load(open(sys.argv[3] + "/shaped_model.json"))
 match = [s.get("sync/adapter_match", s.get("sync/weights_match")) for s in steps]
 json.dump({"model": info, "steps": steps, "all_synced_matched": bool(steps) and all(m == 1.0 for m in match)},
