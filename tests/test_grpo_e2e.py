@@ -256,3 +256,32 @@ def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
     if algorithm == "dapo":
         assert all(1 <= r["data/gen_rounds"] <= 4 for r in rows)
         assert all(0.0 < r["data/groups_with_signal"] <= 1.0 for r in rows)
+
+
+def test_verl_string_paths_train_and_every_logged_key_is_described(cache, tmp_path):
+    """verl's launches pass one parquet as a string (data.train_files=$HOME/data/gsm8k/train.parquet)
+    and one logger by name; two mini-batches (an old-log-prob pass) and dynamic sampling log the
+    keys the default leaves out, and each key must be on the metrics page."""
+    from tests.test_metrics import assert_described
+
+    data = cache / "data" / "arith_v2_n1024"
+    run = tmp_path / "run"
+    out = grpo(
+        run,
+        cache,
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/val.parquet",
+        "trainer.logger=jsonl",
+        "trainer.total_steps=2",
+        "trainer.device=cpu",
+        "trainer.val_before_train=true",
+        "trainer.test_freq=2",
+        "actor.ppo_mini_batch_size=8",
+        "algorithm.filter_groups.enable=true",
+    )
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert (data / "train.parquet").is_file() and (data / "val.parquet").is_file()
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["timing/old_logp"] > 0 and r["data/gen_rounds"] >= 1 for r in rows)
+    assert_described({k for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) for k in r}, "run")
