@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from lorarl.config import compose
 from lorarl.errors import ConfigError
-from recipes.from_verl import BY_VERL, VERL_KEYS, VerlTranslationError, markdown_table, script_args, translate
+from recipes.from_verl import BY_VERL, VERL_KEYS, VerlTranslationError, script_args, translate
 from tests.test_config import compose_job, hydra_compose  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,8 +300,3 @@ def test_every_lorarl_key_of_the_table_exists(hydra_compose):  # noqa: F811
                 OmegaConf.select(cfg, row.to, default="absent") != "absent"
                 or OmegaConf.select(fsdp, row.to, default="absent") != "absent"
             ), f"{row.verl} maps to {row.to}, which lorarl lacks"
-
-
-def test_readme_table_is_the_code_table():
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's 'Coming from verl' table differs: paste markdown_table()'s output"
