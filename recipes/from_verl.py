@@ -173,6 +173,13 @@ VERL_KEYS: tuple[Key, ...] = (
     Key("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward"),
     Key("algorithm.kl_ctrl.kl_coef", None, "the in-reward KL controller; the KL here is actor.kl_loss_coef"),
     Key("algorithm.kl_ctrl.type", None, "the in-reward KL controller; the KL here is actor.kl_loss_coef"),
+    Key(
+        "algorithm.rollout_correction.rollout_is",
+        "algorithm.rollout_correction.mode",
+        "token -> token_tis, sequence -> seq_tis (truncated importance weights)",
+        values={"token": "token_tis", "sequence": "seq_tis", "null": "null"},
+    ),
+    Key("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.threshold"),
     Key("algorithm.filter_groups.enable", "algorithm.filter_groups.enable"),
     Key("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches"),
     Key("reward_model.enable", None, "rewards are rule-based (data_source or data.reward_fn)", only=("False", "false")),

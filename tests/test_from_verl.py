@@ -274,6 +274,22 @@ def test_bad_launches_fail_with_one_line_naming_the_key(args, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_renamed_values_translate(hydra_compose):  # noqa: F811
+    result = translate(
+        [
+            "algorithm.rollout_correction.rollout_is=sequence",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
+            "trainer.total_training_steps=7",
+        ]
+    )
+    assert result.overrides[0] == "+backend=megatron"
+    cfg = compose_job(result.overrides)
+    assert cfg.algorithm.rollout_correction.mode == "seq_tis" and cfg.algorithm.rollout_correction.threshold == 3.0
+    assert (cfg.backend.bridge, cfg.trainer.total_steps) == ("mbridge", 7)
+
+
 def test_cli_prints_the_command_and_the_ignored_keys(tmp_path):
     script = tmp_path / "launch.sh"
     script.write_text(MEGATRON_7B)
