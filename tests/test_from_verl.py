@@ -299,6 +299,16 @@ def test_cli_prints_the_command_and_the_ignored_keys(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("python -m recipes.grpo +backend=megatron model=qwen2_7b_instruct data=math ")
     assert "# ignored actor_rollout_ref.rollout.name=vllm: the rollout engine is vLLM" in out.stderr
+    script.write_text(FSDP_0_5B)
+    job = subprocess.run(
+        [sys.executable, "-m", "recipes.from_verl", "--run", str(script), "--", "--cfg", "job"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "  layered_summon: true\n" in job.stdout and "  train_files: " + str(Path.home()) in job.stdout
     missing = subprocess.run(
         [sys.executable, "-m", "recipes.from_verl", "data.foo=1"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
