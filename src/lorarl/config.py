@@ -28,8 +28,9 @@ class LoraConfig:
     rank: int = 32
     alpha: int = 32
     dropout: float = 0.0
-    # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
-    target_modules: list[str] = field(default_factory=lambda: list(HF_LINEAR_PROJECTIONS))
+    # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...). One
+    # name or a list (see STRING_OR_LIST_KEYS).
+    target_modules: Any = field(default_factory=lambda: list(HF_LINEAR_PROJECTIONS))
     # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
     # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
     target_parameters: list[str] = field(default_factory=list)
@@ -56,8 +57,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = MISSING
-    val_files: list[str] = field(default_factory=list)
+    # One parquet path or a list, as verl takes them (see STRING_OR_LIST_KEYS).
+    train_files: Any = MISSING
+    val_files: Any = field(default_factory=list)
     # "arith": the files are written by the embedded task generator when missing.
     generator: str | None = None
     generator_size: int = 2000
@@ -207,7 +209,8 @@ class TrainerConfig:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = False
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # One name or a list (see STRING_OR_LIST_KEYS).
+    logger: Any = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "lorarl"
     experiment_name: str = "grpo"
     nnodes: int = 1
@@ -377,11 +380,32 @@ class RunConfig:
         return asdict(self)
 
 
+# List-typed keys that verl also takes as one string (`data.train_files=train.parquet`,
+# `target_modules=all-linear`, `trainer.logger=console`). Their schema type is Any so Hydra
+# accepts both spellings; `as_string_lists` makes them lists of strings before anything reads them.
+STRING_OR_LIST_KEYS = ("data.train_files", "data.val_files", "model.lora.target_modules", "trainer.logger")
+
+
+def as_string_lists(obj: Any) -> None:
+    """Turn each STRING_OR_LIST_KEYS value of a GRPOConfig object into a list of strings."""
+    for key in STRING_OR_LIST_KEYS:
+        section, *path, leaf = key.split(".")
+        parent = getattr(obj, section)
+        for name in path:
+            parent = getattr(parent, name)
+        value = getattr(parent, leaf)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{key}={value!r}: give one string or a list of strings, e.g. {key}=[a,b]")
+        setattr(parent, leaf, list(items))
+
+
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from a composed one, after every cross-field check."""
     if "backend" not in cfg or OmegaConf.is_missing(cfg, "backend"):
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
+    as_string_lists(obj)
     run = RunConfig(
         **{
             k: getattr(obj, k)
