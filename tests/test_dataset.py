@@ -264,7 +264,7 @@ def test_prompt_batches_are_the_trainers_batches(tokenizer, tmp_path):
     train, val = ensure_arith_parquet(tmp_path / "train.parquet", tmp_path / "val.parquet", n_train=40, seed=0)
     data = SimpleNamespace(
         train_files=[train], val_files=[val], max_prompt_length=64, filter_overlong_prompts=True,
-        truncation="error", train_batch_size=8, shuffle=True,
+        truncation="error", train_batch_size=8, gen_batch_size=None, shuffle=True,
     )  # fmt: skip
     loader, val_items, dropped = prompt_batches(data, tokenizer, seed=3, validation=False)
     assert (len(loader.items), val_items, dropped) == (40, [], 0)

@@ -117,7 +117,9 @@ class GRPOTrainer:
         )
         self.tokenizer = load_tokenizer(run)
         d = run.data
+
         validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+        # DAPO oversampling: each generation round draws data.gen_batch_size prompts (prompt_batches).
         self.loader, self.val_items, self.dropped_prompts = prompt_batches(
             d, self.tokenizer, run.trainer.seed, validation
         )
@@ -288,9 +290,14 @@ class GRPOTrainer:
             if key in syncs[0]:
                 metrics[key] = max(s[key] for s in syncs)
         metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
-        if self.run.algorithm.filter_groups.enable:
+        fg = self.run.algorithm.filter_groups
+        if fg.enable:
             metrics["data/gen_rounds"] = gen_rounds
-            metrics["data/groups_with_signal"] = sum(g.has_signal for g in groups) / len(groups)
+            metrics["data/groups_with_signal"] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
+        if self.run.algorithm.overlong_buffer.enable:
+            penalties = [p for g in groups for p in g.overlong]
+            metrics["reward/overlong_reward"] = sum(penalties) / len(penalties)
+            metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(penalties)
         metrics["timing/gen"] = t_gen
         metrics["timing/train"] = t_update
         metrics["timing/sync"] = t_sync_wall
@@ -300,9 +307,11 @@ class GRPOTrainer:
 
     def rollout_groups(self) -> tuple[list[Group], int, float]:
         """data.train_batch_size prompt groups, sampled and scored: (groups, generation rounds,
-        generation seconds). With algorithm.filter_groups, groups whose rewards are all equal
-        carry no signal and are replaced by groups of further prompts (DAPO's dynamic sampling),
-        for at most max_num_gen_batches rounds; a batch still short is filled with them."""
+        generation seconds). With algorithm.filter_groups, groups whose `metric` is equal for
+        every sample carry no signal and are replaced by groups of further prompts (DAPO's
+        dynamic sampling; data.gen_batch_size prompts a round), for at most max_num_gen_batches
+        rounds (0: until the batch is full, as verl); a batch still short is filled with them
+        (verl stops the run with an error there)."""
         fg = self.run.algorithm.filter_groups
         size = self.run.data.train_batch_size
         kept: list[Group] = []
@@ -314,9 +323,9 @@ class GRPOTrainer:
             seconds += t
             if not fg.enable:
                 return groups, rounds, seconds
-            kept += [g for g in groups if g.has_signal]
-            flat += [g for g in groups if not g.has_signal]
-            if len(kept) >= size or rounds >= fg.max_num_gen_batches:
+            kept += [g for g in groups if g.has_signal(fg.metric)]
+            flat += [g for g in groups if not g.has_signal(fg.metric)]
+            if len(kept) >= size or 0 < fg.max_num_gen_batches <= rounds:
                 break
         return (kept + flat)[:size], rounds, seconds
 
@@ -343,13 +352,14 @@ class GRPOTrainer:
         groups = []
         for shard, (responses, logprobs, _) in zip(shards, gen):
             for item, samples, lps in zip(shard, responses, logprobs):
-                rewards = [self.score(item, s) for s in samples]
-                if buffer:
-                    rewards = [
-                        x + algorithms.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
-                        for x, s in zip(rewards, samples)
-                    ]
-                groups.append(Group(item, samples, lps, rewards))
+                scores = [self.score(item, s) for s in samples]
+                overlong = [
+                    algorithms.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
+                    if buffer
+                    else 0.0
+                    for s in samples
+                ]
+                groups.append(Group(item, samples, lps, [x + p for x, p in zip(scores, overlong)], scores, overlong))
         return groups, max(t for _, _, t in gen)
 
     def score(self, item, response_ids: list[int]) -> float:
@@ -395,16 +405,22 @@ class GRPOTrainer:
 
 @dataclass
 class Group:
-    """One prompt's rollout.n samples: token ids, the sampler's log-probs, rewards."""
+    """One prompt's rollout.n samples: token ids, the sampler's log-probs, rewards (the reward
+    function's scores plus the overlong penalties)."""
 
     item: Any
     samples: list[list[int]]
     logprobs: list[list[float]]
     rewards: list[float]
+    scores: list[float] | None = None  # the reward function's values; None: the rewards
+    overlong: list[float] | None = None  # DAPO's overlong penalty per sample (0 when off)
 
-    @property
-    def has_signal(self) -> bool:
-        return max(self.rewards) != min(self.rewards)
+    def has_signal(self, metric: str = "seq_final_reward") -> bool:
+        """Whether the samples differ in `metric` (algorithm.filter_groups.metric, verl's names):
+        acc / score read the reward function's values, seq_reward / seq_final_reward the rewards
+        (no KL is ever in the reward here, so the two agree, as do acc and score)."""
+        values = self.scores if metric in ("acc", "score") and self.scores is not None else self.rewards
+        return max(values) != min(values)
 
 
 def _split(items: list, parts: int) -> list[list]:
