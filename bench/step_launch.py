@@ -120,7 +120,7 @@ def lorarl_extras(rows: list[dict]) -> dict:
         "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
         "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
-        "rollout_corr_ratio_max": [r.get("rollout_corr/ratio_max") for r in rows],
+        "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],
     }
 
 
