@@ -180,7 +180,10 @@ VERL_KEYS: tuple[Key, ...] = (
     Key("algorithm.kl_ctrl.type", None, "the in-reward KL controller; the KL here is actor.kl_loss_coef"),
     Key("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is"),
     Key("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold"),
-    Key("algorithm.rollout_correction.rollout_is_batch_normalize", "algorithm.rollout_correction.rollout_is_batch_normalize"),
+    Key(
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+    ),
     Key("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs"),
     Key("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold"),
     Key("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode"),
