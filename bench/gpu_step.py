@@ -3,7 +3,7 @@
 A comparison is a pair (shape, KL off/on, rollout correction; bench.step_plan) run as
 alternating repeats in one command: lorarl, TRL, lorarl, TRL, ... Each run is a subprocess, as
 users launch it (bench.step_launch): lorarl `python -m recipes.grpo +backend=fsdp|megatron ...`
-with `algorithm.rollout_correction.mode` set to the pair's correction; TRL through
+with `algorithm.rollout_correction` set to the pair's correction; TRL through
 bench/trl_grpo_worker.py with the same model, prompts (the trainer's own batches, in order),
 batch (32 prompts x 8 completions x 128 tokens, ignore_eos), LoRA, lr, micro-batching,
 checkpointing, vLLM memory share and the same correction (TRL's importance-sampling mode of

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import ROOT
 from bench.host_state import run_logged
-from bench.step_plan import Run, Shape, Work, trl_correction_args
+from bench.step_plan import Run, Shape, Work, lorarl_correction_overrides, trl_correction_args
 
 KL_COEF = 0.001
 SMOKE_MICRO = 4  # the tiny smoke run: 4 micro-batches per step, so it takes the accumulation path
@@ -56,7 +56,7 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
         f"trainer.total_steps={work.steps}",
         f"actor.use_kl_loss={str(run.pair.kl).lower()}",
         f"actor.kl_loss_coef={KL_COEF}",
-        f"algorithm.rollout_correction.mode={'null' if correction == 'none' else correction}",
+        *lorarl_correction_overrides(correction),
         f"model.lora.merge={str(run.arm.mode == 'merged').lower()}",
         "trainer.check_sync=true",
         "trainer.logger=[console,jsonl]",
@@ -120,7 +120,7 @@ def lorarl_extras(rows: list[dict]) -> dict:
         "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
         "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
-        "rollout_corr_ratio_max": [r.get("rollout_corr/ratio_max") for r in rows],
+        "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],
     }
 
 
@@ -163,7 +163,7 @@ def trl_args(run: Run, run_cfg, work: Work, model: Path, data: Path, out: Path, 
         "--gradient-checkpointing", "on" if m.enable_gradient_checkpointing else "off",
         "--max-model-len", str(r.max_model_len or d.max_prompt_length + d.max_response_length),
         "--temperature", str(r.temperature),
-        *trl_correction_args(run.pair.correction, rc.threshold, rc.lower),
+        *trl_correction_args(run.pair.correction, rc),
     ]  # fmt: skip
     if cpu:
         args += ["--threads", "1"]  # see bench.peer_trl: one process sharing two cores with vLLM

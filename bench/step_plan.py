@@ -11,9 +11,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-# lorarl's `algorithm.rollout_correction.mode` names (null is "none"); TRL's importance-sampling
-# modes map onto them one to one (same ratio, same truncation or mask; lorarl's threshold and
-# lower bound become TRL's clip_max and clip_min).
+# The bench's correction names; lorarl_correction_overrides gives lorarl's keys for each and TRL's
+# importance-sampling modes map onto them one to one (same ratio, same truncation or mask; lorarl's
+# thresholds become TRL's clip_max and clip_min).
 CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
 TRL_IS_MODE = {
     "token_tis": "token_truncate",
@@ -148,19 +148,33 @@ def repeat_groups(runs: list[Run]) -> list[list[Run]]:
     return groups
 
 
-def trl_correction_args(correction: str, threshold: float, lower: float | None) -> list[str]:
-    """TRL worker options for lorarl's correction (lorarl.algorithms.rollout_correction): *_tis
-    truncates above the threshold only; *_mask keeps ratios in [lower (1 / threshold), threshold]."""
+def lorarl_correction_overrides(correction: str) -> list[str]:
+    """lorarl's `algorithm.rollout_correction` keys for a bench correction: *_tis are truncated
+    weights (rollout_is); *_mask are k1 rejection (rollout_rs) with ratios kept in [1/t, t]."""
+    rc = "algorithm.rollout_correction."
+    rollout_is = {"token_tis": "token", "seq_tis": "sequence"}.get(correction, "null")
+    rollout_rs = {"token_mask": "token_k1", "seq_mask": "seq_sum_k1"}.get(correction, "null")
+    out = [f"{rc}rollout_is={rollout_is}", f"{rc}rollout_rs={rollout_rs}"]
+    if rollout_rs != "null":
+        out.append(f"{rc}rollout_rs_threshold=2.0")
+    return out
+
+
+def mask_bounds(rollout_rs_threshold: str) -> tuple[float, float]:
+    """[lower, upper] on pi_trainer / pi_rollout from a k1 threshold, which bounds the inverse
+    ratio pi_rollout / pi_trainer: `upper` (lower = 1/upper) or `lower_upper`."""
+    parts = [float(x) for x in str(rollout_rs_threshold).split("_")]
+    lower, upper = (1.0 / parts[0], parts[0]) if len(parts) == 1 else parts
+    return 1.0 / upper, 1.0 / lower
+
+
+def trl_correction_args(correction: str, rc) -> list[str]:
+    """TRL worker options for lorarl's correction config `rc` (lorarl.rollout_correction): *_tis
+    truncates above rollout_is_threshold only; *_mask keeps ratios inside rollout_rs_threshold's bounds."""
     if correction == "none":
         return ["--vllm-is-correction", "off"]
-    args = [
-        "--vllm-is-correction",
-        "on",
-        "--vllm-is-mode",
-        TRL_IS_MODE[correction],
-        "--vllm-is-clip-max",
-        str(threshold),
-    ]
+    args = ["--vllm-is-correction", "on", "--vllm-is-mode", TRL_IS_MODE[correction]]
     if correction.endswith("_mask"):
-        args += ["--vllm-is-clip-min", str(1.0 / threshold if lower is None else lower)]
-    return args
+        lower, upper = mask_bounds(rc.rollout_rs_threshold)
+        return [*args, "--vllm-is-clip-max", str(upper), "--vllm-is-clip-min", str(lower)]
+    return [*args, "--vllm-is-clip-max", str(rc.rollout_is_threshold)]

@@ -24,6 +24,7 @@ from bench.step_plan import (
     Run,
     estimate_wall_s,
     lorarl_arms,
+    lorarl_correction_overrides,
     plan,
     repeat_groups,
     select,
@@ -68,14 +69,26 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
     ]
 
 
+def _rc(correction: str, rs_threshold: str = "2.0"):
+    """lorarl's correction config as the bench's overrides set it."""
+    from lorarl.config import RolloutCorrectionConfig
+
+    keys = {k.rsplit(".", 1)[-1]: v for k, v in (o.split("=", 1) for o in lorarl_correction_overrides(correction))}
+    null = {k: (None if v == "null" else v) for k, v in keys.items()}
+    return RolloutCorrectionConfig(**{**null, **({"rollout_rs_threshold": rs_threshold} if null["rollout_rs"] else {})})
+
+
 def test_trl_runs_lorarls_correction():
-    assert trl_correction_args("none", 2.0, None) == ["--vllm-is-correction", "off"]
-    tis = trl_correction_args("token_tis", 2.0, None)
+    assert trl_correction_args("none", _rc("none")) == ["--vllm-is-correction", "off"]
+    tis = trl_correction_args("token_tis", _rc("token_tis"))
     assert tis == ["--vllm-is-correction", "on", "--vllm-is-mode", "token_truncate", "--vllm-is-clip-max", "2.0"]
-    assert trl_correction_args("seq_mask", 4.0, None)[3:] == [
+    assert trl_correction_args("seq_mask", _rc("seq_mask", "4.0"))[3:] == [
         "sequence_mask", "--vllm-is-clip-max", "4.0", "--vllm-is-clip-min", "0.25",
     ]  # fmt: skip
-    assert trl_correction_args("token_mask", 2.0, 0.1)[-1] == "0.1"
+    # k1 bounds pi_rollout / pi_trainer; TRL's clip bounds the inverse ratio.
+    assert trl_correction_args("token_mask", _rc("token_mask", "0.5_10.0"))[-4:] == [
+        "--vllm-is-clip-max", "2.0", "--vllm-is-clip-min", "0.1",
+    ]  # fmt: skip
     assert set(TRL_IS_MODE) == set(CORRECTIONS) - {"none"}
 
 
@@ -84,10 +97,10 @@ def test_trl_worker_builds_the_grpo_config_of_each_correction(tmp_path):
     from bench.trl_grpo_worker import grpo_config, parse_args
 
     base = ["--model", "m", "--train-parquet", "p", "--out", str(tmp_path / "o.json"), "--prompts", "4", "--n", "4"]
-    off = grpo_config(parse_args([*base, *trl_correction_args("none", 2.0, None)]))
+    off = grpo_config(parse_args([*base, *trl_correction_args("none", _rc("none"))]))
     assert off.vllm_importance_sampling_correction is False
     for correction, mode in TRL_IS_MODE.items():
-        cfg = grpo_config(parse_args([*base, "--micro-batch", "4", *trl_correction_args(correction, 2.0, None)]))
+        cfg = grpo_config(parse_args([*base, "--micro-batch", "4", *trl_correction_args(correction, _rc(correction))]))
         assert cfg.vllm_importance_sampling_correction is True
         assert (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max) == (mode, 2.0)
         assert cfg.vllm_importance_sampling_clip_min == (0.5 if mode.endswith("mask") else None)
@@ -126,7 +139,8 @@ def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
     assert 0 < row["mfu_update"] < row["mfu_update_hw"]
     assert "recipes.grpo +backend=fsdp" in row["command"]
     assert (
-        "actor.use_kl_loss=false" in row["command"] and "algorithm.rollout_correction.mode=token_tis" in row["command"]
+        "actor.use_kl_loss=false" in row["command"]
+        and "algorithm.rollout_correction.rollout_is=token" in row["command"]
     )
     # What the machine did: host state before and after, the CPU sampled during the run (no GPU here).
     assert row["before"]["loadavg_1m"] >= 0 and row["after"]["mem_available_gib"] > 0
@@ -216,8 +230,9 @@ def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_pa
     pair = Pair("7b", True, "seq_mask")
     run = Run(Arm("lorarl", backend, "adapter"), pair, 1)
     overrides = lorarl_overrides(run, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "model", False, None)
-    cfg = compose_run(backend, [*overrides, "algorithm.rollout_correction.threshold=4.0"], tmp_path)
-    assert (cfg.algorithm.rollout_correction.mode, cfg.actor.use_kl_loss) == ("seq_mask", True)
+    cfg = compose_run(backend, [*overrides, "algorithm.rollout_correction.rollout_rs_threshold=4.0"], tmp_path)
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, cfg.actor.use_kl_loss) == (None, "seq_sum_k1", True)
     args = trl_args(Run(TRL, pair, 1), cfg, GPU_WORK, tmp_path / "model", tmp_path / "d", tmp_path / "o.json", False)
     assert args[args.index("--vllm-is-mode") + 1] == "sequence_mask"
     assert args[args.index("--vllm-is-clip-min") + 1] == "0.25" and args[args.index("--beta") + 1] == "0.001"

@@ -286,8 +286,34 @@ def test_renamed_values_translate(hydra_compose):  # noqa: F811
     )
     assert result.overrides[0] == "+backend=megatron"
     cfg = compose_job(result.overrides)
-    assert cfg.algorithm.rollout_correction.mode == "seq_tis" and cfg.algorithm.rollout_correction.threshold == 3.0
+    assert cfg.algorithm.rollout_correction.rollout_is == "sequence"
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
     assert (cfg.backend.bridge, cfg.trainer.total_steps) == ("mbridge", 7)
+
+
+def test_new_algorithm_and_moe_keys_translate(hydra_compose):  # noqa: F811
+    result = translate(
+        [
+            "actor_rollout_ref.actor.strategy=megatron",
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5",
+            "algorithm.rollout_correction.rollout_is_batch_normalize=True",
+            "actor_rollout_ref.actor.loss_scale_factor=512",
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups.metric=acc",
+            "algorithm.filter_groups.max_num_gen_batches=0",
+            "data.train_batch_size=8",
+            "data.gen_batch_size=16",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+        ]
+    )
+    cfg = compose_job(result.overrides)
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_rs, rc.rollout_rs_threshold, rc.rollout_is_batch_normalize) == ("token_k1", "0.5", True)
+    assert cfg.actor.loss_scale_factor == 512 and cfg.data.gen_batch_size == 16
+    assert (cfg.algorithm.filter_groups.metric, cfg.algorithm.filter_groups.max_num_gen_batches) == ("acc", 0)
+    assert (cfg.backend.expert_model_parallel_size, cfg.backend.expert_tensor_parallel_size) == (2, 1)
 
 
 def test_cli_prints_the_command_and_the_ignored_keys(tmp_path):
