@@ -141,9 +141,9 @@ def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Where benchmark models live: --cache, else $LORARL_CACHE, else ~/.cache/lorarl."""
     if explicit:
         return Path(explicit).expanduser().absolute()
-    from lorarl.models.tiny import default_cache_dir
+    from lorarl.schema import cache_dir as lorarl_cache
 
-    return default_cache_dir().expanduser().absolute()
+    return Path(lorarl_cache()).absolute()
 
 
 def tiny_model(cache: Path) -> Path:

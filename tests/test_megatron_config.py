@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.config import LoraConfig, MegatronBackendConfig
+from lorarl.config import LoraConfig, MegatronBackendConfig, load_group
 from lorarl.engines.megatron import config_map as C
 from lorarl.errors import ConfigError
 from tests.megatron_source import Sources, sources_or_skip
@@ -38,7 +38,7 @@ def lora(**kw):
 
 
 def backend(**kw):
-    return dataclasses.replace(MegatronBackendConfig(), **kw)
+    return dataclasses.replace(load_group(MegatronBackendConfig, "backend/megatron"), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def test_peft_spec_lora():
 
 def test_peft_spec_canonical_from_dataclass():
     spec = C.peft_spec(
-        LoraConfig(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora")
+        lora(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora")
     )
     assert spec.class_name == "CanonicalLoRA"
     assert spec.kwargs["target_modules"] == ["linear_q", "linear_v", "linear_fc1_up", "linear_fc1_gate"]
@@ -225,7 +225,7 @@ MODEL = {"num_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, 
 
 
 def test_defaults_and_real_shapes_pass():
-    C.check_megatron(LoraConfig(), MegatronBackendConfig(), **MODEL, world_size=1)
+    C.check_megatron(lora(), backend(), **MODEL, world_size=1)
     C.check_megatron(
         lora(rank=64),
         backend(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine"),

@@ -516,6 +516,7 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path, arch):
                 "target_modules": ["all-linear"],
                 "type": "lora",
                 "init_A": "xavier",
+                "merge": False,
             }
         )
     )
@@ -658,6 +659,7 @@ def test_split_adapter_is_a_valid_rollout_payload():
                 "target_modules": ["all-linear"],
                 "type": "lora",
                 "init_A": "xavier",
+                "merge": False,
             }
         )
     )

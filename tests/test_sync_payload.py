@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lorarl.errors import ConfigError, SyncError
-from lorarl.sync import VLLM_LORA_RANKS, PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
+from lorarl.schema import VLLM_LORA_RANKS, vllm_lora_rank
+from lorarl.sync import PayloadKind, SyncStats, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

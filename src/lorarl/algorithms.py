@@ -9,12 +9,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lorarl.errors import ConfigError
-
-KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("vanilla", "gspo")
-ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask")
+# The names the config accepts (checked there, once, with the key's name); a name outside them
+# reaching these functions is a caller's bug, a ValueError.
+from lorarl.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
 # turns into NaN gradients even where a later clamp hides the value.
@@ -210,7 +207,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind in ("k3", "low_var_kl"):
         log_ratio = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
-    raise ConfigError(f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}")
+    raise ValueError(f"KL estimator {kind!r} is not one of {', '.join(KL_KINDS)}")
 
 
 def agg_loss(
@@ -232,7 +229,7 @@ def agg_loss(
     `norm_len` (the maximum response length; default T), so no length is favoured.
     """
     if mode not in AGG_MODES:
-        raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
+        raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask) if denom is None else masked_sum(loss_mat, mask) / denom
     if mode == "seq-mean-token-mean":
@@ -276,10 +273,8 @@ def policy_loss(
     as detached 0-dim tensors: reading one waits for the device, so the update reads them once
     per mini-batch rather than stalling every micro-batch.
     """
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ConfigError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable")
     if mode not in POLICY_LOSSES:
-        raise ConfigError(f"actor.policy_loss={mode!r} is unknown; use one of {', '.join(POLICY_LOSSES)}")
+        raise ValueError(f"policy loss {mode!r} is not one of {', '.join(POLICY_LOSSES)}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
     log_ratio = logp - old_logp
@@ -330,9 +325,7 @@ def rollout_correction(
     masked_frac (response tokens dropped), as detached 0-dim tensors (see policy_loss).
     """
     if mode is not None and mode not in ROLLOUT_CORRECTIONS:
-        raise ConfigError(
-            f"algorithm.rollout_correction.mode={mode!r} is unknown; use null or one of {', '.join(ROLLOUT_CORRECTIONS)}"
-        )
+        raise ValueError(f"rollout correction {mode!r} is not null or one of {', '.join(ROLLOUT_CORRECTIONS)}")
     lower = 1.0 / threshold if lower is None else lower
     keep = mask.bool()
     log_ratio = torch.where(keep, old_logp - rollout_logp, old_logp.new_zeros(())).detach()

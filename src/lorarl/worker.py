@@ -196,7 +196,7 @@ class Worker:
             self.run,
             memory.ModelDims.of(hf_config),
             self.dp_size,
-            backend_of(self.run).model_parallel_size(self.run.backend),
+            self.run.backend.model_parallel_size(),
         )
 
     # ---- rollout -------------------------------------------------------------------------

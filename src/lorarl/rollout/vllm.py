@@ -27,7 +27,8 @@ from torch import Tensor
 from lorarl.errors import ConfigError, SyncError
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_worker
-from lorarl.sync import PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
+from lorarl.schema import vllm_lora_rank
+from lorarl.sync import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync_checks import AdapterLayout, Fingerprint, LoraSlot, combine, fingerprint_sums, resolve
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
