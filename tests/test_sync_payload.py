@@ -169,7 +169,10 @@ def test_bad_rank_is_a_config_error(rank):
 def test_sync_stats_total():
     s = SyncStats(PayloadKind.ADAPTER, num_tensors=4, bytes=100, gather_s=0.5, transfer_s=0.25, load_s=0.125)
     assert s.seconds == 0.875
-    assert s.as_dict()["sync/kind"] == "adapter"
+    base = SyncStats(PayloadKind.BASE, num_tensors=2, bytes=50, gather_s=1.0)
+    summary = SyncStats.summary([base, s])
+    assert summary["sync/kind"] == "base+adapter" and summary["sync/bytes"] == 150
+    assert summary["sync/seconds"] == 1.875 and summary["sync/gather_seconds"] == 1.5
 
 
 def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():

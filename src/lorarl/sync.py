@@ -100,15 +100,17 @@ class SyncStats:
     def seconds(self) -> float:
         return self.gather_s + self.transfer_s + self.load_s
 
-    def as_dict(self, prefix: str = "sync/") -> dict[str, float | int | str]:
+    @staticmethod
+    def summary(stats: list[SyncStats]) -> dict[str, float | int | str]:
+        """One sync's payloads (base, then adapter) as the step's `sync/*` metrics."""
         return {
-            f"{prefix}kind": self.kind.value,
-            f"{prefix}num_tensors": self.num_tensors,
-            f"{prefix}bytes": self.bytes,
-            f"{prefix}gather_s": self.gather_s,
-            f"{prefix}transfer_s": self.transfer_s,
-            f"{prefix}load_s": self.load_s,
-            f"{prefix}seconds": self.seconds,
+            "sync/kind": "+".join(s.kind.value for s in stats),
+            "sync/num_tensors": sum(s.num_tensors for s in stats),
+            "sync/bytes": sum(s.bytes for s in stats),
+            "sync/gather_seconds": sum(s.gather_s for s in stats),
+            "sync/transfer_seconds": sum(s.transfer_s for s in stats),
+            "sync/load_seconds": sum(s.load_s for s in stats),
+            "sync/seconds": sum(s.seconds for s in stats),
         }
 
 

@@ -139,7 +139,9 @@ def main() -> None:
     from bench.common import cache_dir
     from lorarl import algorithms
     from lorarl.data.arith import make_rows
+    from lorarl.messages import GenerateRequest, SyncRequest, UpdateRequest
     from lorarl.rewards import get_reward_fn
+    from lorarl.trainer import sampling_of
     from lorarl.worker import Worker
 
     cache = cache_dir(args.cache)
@@ -171,7 +173,7 @@ def main() -> None:
     dp_rank, dp_size, _ = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     setup_s = time.perf_counter() - t0
     phase(f"worker set up in {setup_s:.1f} s; first sync")
-    first = worker.sync()
+    first = worker.sync(SyncRequest(step=0, last=False))
     phase(f"first sync: {first}")
 
     rows = make_rows(args.batch * dp_size * (args.steps + 1), seed=1, split="train")
@@ -187,9 +189,11 @@ def main() -> None:
         prompts = [
             tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch
         ]
-        responses, _, t_gen = worker.generate(
-            prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank
+        # The first training rollout also sets the sync probe's sequences (lorarl.sync_session).
+        out = worker.generate(
+            GenerateRequest(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank, True)
         )
+        responses, t_gen = out.token_ids, out.seconds
         if dp_size < world:  # ranks of one model-parallel replica train on one set of samples, as the trainer does
             every = [None] * world
             dist.all_gather_object(every, (dp_rank, responses))
@@ -207,12 +211,10 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        if step == 1:
-            worker.set_probe([p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)])
-        train = worker.update(p_ids, r_ids, adv, step)
+        train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, sampling_of(run)))
         t_sleep = train["timing/sleep"]
         t_sync0 = time.perf_counter()
-        sync = worker.sync()
+        sync = worker.sync(SyncRequest(step=step, last=step == args.steps))
         t_sync = time.perf_counter() - t_sync0
         tokens = sum(len(r) for r in r_ids)
         log.append(

@@ -33,11 +33,10 @@ from lorarl.engines.base import (
     EntropyMode,
     LossFn,
     check_grad_norm,
-    plan_micro_batches,
-    ppo_update,
     read_metrics,
 )
 from lorarl.errors import ConfigError, ModelError, TrainingError, first_line
+from lorarl.ppo import plan_micro_batches
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
@@ -202,7 +201,6 @@ class FSDPEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
-        self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
         self.prepared_masks = takes_prepared_masks(self.model.config) and not run.model.trust_remote_code
 
     # ---- the Engine contract's plain facts ----------------------------------------------
@@ -284,36 +282,30 @@ class FSDPEngine:
     # the next micro-batch's kernels.
 
     @torch.no_grad()
-    def log_probs(
-        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
-    ) -> torch.Tensor:
-        """Log-probs of every next token at the rollout temperature (or `temperature`);
-        `reference=True` runs the base with the adapter disabled."""
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
+        """Log-probs of every next token at `temperature`; `reference=True` runs the base with
+        the adapter disabled."""
         self.model.eval()
-        temp = self.temperature if temperature is None else temperature
-        groups = plan_micro_batches(self, batch, self.run, backward=False)
-        micro = [batch.select(rows) for rows in groups]
+        row_sets = plan_micro_batches(self, batch, self.run.actor, backward=False)
+        micro = [batch.select(rows) for rows in row_sets]
         prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
-            results = [self._forward(*p, temp, entropy="none")[0] for p in prepared]
+            results = [self._forward(*p, temperature, entropy="none")[0] for p in prepared]
             if not self.run.backend.reshard_after_forward:
                 # Before the adapter is turned back on, which sets requires_grad on whichever
                 # parameters are registered at that moment (see reshard_all).
                 reshard_all(self.model)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        for rows, mb, logp in zip(groups, micro, results, strict=True):
+        for rows, mb, logp in zip(row_sets, micro, results, strict=True):
             first, last = mb.trim_span()
             out[rows, first : last - 1] = logp.float().cpu()
         return out
 
-    # ---- update --------------------------------------------------------------------------
-
-    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        return ppo_update(self, batch, step, self.run)
+    # ---- update (lorarl.ppo drives it) ----------------------------------------------------
 
     def forward_backward(
-        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
     ) -> list[dict[str, float]]:
         self.model.train()
         prepared = [self._prepare(mb) for mb in micro]
@@ -321,7 +313,7 @@ class FSDPEngine:
         for i, (mb, first, padded) in enumerate(prepared):
             # Reduce-scatter the gradients once, after the last micro-batch.
             self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            logp, ent = self._forward(mb, first, padded, self.temperature, entropy)
+            logp, ent = self._forward(mb, first, padded, temperature, entropy)
             loss, m = loss_fn(mb, logp, ent)
             loss.backward()
             metrics.append(m)

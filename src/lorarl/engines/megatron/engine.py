@@ -29,8 +29,6 @@ from lorarl.engines.base import (
     EntropyMode,
     LossFn,
     check_grad_norm,
-    plan_micro_batches,
-    ppo_update,
     read_metrics,
 )
 from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
@@ -43,6 +41,7 @@ from lorarl.engines.megatron.config_map import (
     require_cuda,
 )
 from lorarl.errors import ConfigError, TrainingError
+from lorarl.ppo import plan_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,6 @@ class MegatronEngine:
         self.path = self.model_cfg.path
         self.dtype_name = self.model_cfg.dtype
         self.compute_dtype = DTYPES[self.dtype_name]
-        t = run.rollout.temperature
-        self.temperature = t if t > 0 else 1.0
 
         from transformers import AutoConfig
 
@@ -313,24 +310,21 @@ class MegatronEngine:
         return t.tolist()
 
     @torch.no_grad()
-    def log_probs(
-        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
-    ) -> torch.Tensor:
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
         """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.batch.TrainBatch.
 
         reference=True is the reference policy: the same model under PEFT's disable_adapter
         context, no second copy of the weights.
         """
-        temp = self.temperature if temperature is None else temperature
         check_right_padded(batch.attention_mask)
         dev = torch.device("cuda", torch.cuda.current_device())
-        groups = plan_micro_batches(self, batch, self.run, backward=False)
-        micro = [batch.select(g).to(dev) for g in groups]
+        row_sets = plan_micro_batches(self, batch, self.actor, backward=False)
+        micro = [batch.select(rows).to(dev) for rows in row_sets]
         ids = [self._padded(m.input_ids) for m in micro]
         length = batch.input_ids.shape[1]
 
         def loss_fn(index: int, output: torch.Tensor):
-            logp, _ = self._token_logp(output, micro[index].input_ids, temp, "none")
+            logp, _ = self._token_logp(output, micro[index].input_ids, temperature, "none")
             return torch.zeros((), device=logp.device), {"logp": logp}
 
         for m in self.model:
@@ -340,24 +334,17 @@ class MegatronEngine:
             outs = self._run(ids, loss_fn, forward_only=True)
         result = torch.zeros(len(batch), length - 1, dtype=torch.float32, device=dev)
         if self.is_last_stage:
-            for g, o in zip(groups, outs):
-                result[g] = o["logp"]
+            for rows, o in zip(row_sets, outs):
+                result[rows] = o["logp"]
         return self._broadcast_from_last_stage(result).cpu()
 
-    @contextlib.contextmanager
-    def disable_adapter(self):
-        with self.peft.disable_adapter(self.model):
-            yield
-
-    # ------------------------------------------------------------------ update
-
-    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        check_right_padded(batch.attention_mask)
-        return ppo_update(self, batch, step, self.run)
+    # ------------------------------------------------------------------ update (lorarl.ppo drives it)
 
     def forward_backward(
-        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
     ) -> list[dict[str, float]]:
+        for p in micro:
+            check_right_padded(p.attention_mask)
         dev = torch.device("cuda", torch.cuda.current_device())
         parts = [p.to(dev) for p in micro]
         # The entropy metric needs the full vocabulary; with TP that is a gather, so it is only
@@ -367,7 +354,7 @@ class MegatronEngine:
 
         def megatron_loss(index: int, output: torch.Tensor):
             p = parts[index]
-            logp, ent = self._token_logp(output, p.input_ids, self.temperature, entropy)
+            logp, ent = self._token_logp(output, p.input_ids, temperature, entropy)
             loss, metrics = loss_fn(p, logp, ent)
             # Megatron's schedule divides each micro-batch's loss by their count; loss_fn's
             # losses are already normalised over the mini-batch.
@@ -457,25 +444,6 @@ class MegatronEngine:
 
     def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None) -> None:
         raise ConfigError(_NO_CHECKPOINTS)
-
-    def lora_shards(self) -> dict[str, list[torch.Tensor]]:
-        """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP).
-
-        For cross-checking the bridge's adapter export against names.megatron_lora_to_peft.
-        """
-        import torch.distributed as dist
-
-        group = self.ps.get_tensor_model_parallel_group()
-        out: dict[str, list[torch.Tensor]] = {}
-        for chunk in self.model:
-            for name, p in chunk.named_parameters():
-                if ".adapter." not in name:
-                    continue
-                local = p.detach().contiguous()
-                parts = [torch.empty_like(local) for _ in range(self.tp)]
-                dist.all_gather(parts, local, group=group)
-                out[name] = parts
-        return out
 
 
 @contextlib.contextmanager
