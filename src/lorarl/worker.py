@@ -139,7 +139,6 @@ class Worker:
     # ---- the step: generate, update, sync --------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> Rollouts:
-        t0 = time.perf_counter()
         out = self.rollout.sample(
             request.prompt_ids,
             n=request.n,
@@ -150,7 +149,7 @@ class Worker:
         )
         if request.for_training and self.sync_session.wants_probes:
             self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
-        return Rollouts(out.token_ids, out.logprobs, time.perf_counter() - t0)
+        return out
 
     def update(self, request: UpdateRequest) -> dict:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
