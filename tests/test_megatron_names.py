@@ -334,9 +334,8 @@ def test_qwen3_qk_norms_are_never_lora_targets(norm, lora_type):
     assert N.resolve_lora_targets(["all-linear"], lora_type).hf == N.HF_PROJECTIONS
 
 
-def test_bad_lora_type_and_empty_targets():
-    with pytest.raises(ConfigError, match="model.lora.type"):
-        N.resolve_lora_targets(["q_proj"], "dora")
+def test_empty_targets():
+    # model.lora.type is checked by the config (tests/test_megatron_config.py).
     with pytest.raises(ConfigError, match="model.lora.target_modules is empty"):
         N.resolve_lora_targets([], "lora")
 

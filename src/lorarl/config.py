@@ -188,20 +188,54 @@ def check_megatron(run: RunConfig) -> None:
     )
 
 
-def check_model_shape(run: RunConfig, num_attention_heads: int, num_key_value_heads: int) -> None:
-    """Checks that need the model's config: tensor parallel sizes must split the heads."""
-    sizes = [("rollout.tensor_model_parallel_size", run.rollout.tensor_model_parallel_size)]
-    if isinstance(run.backend, MegatronBackendConfig):
-        sizes.append(("backend.tensor_model_parallel_size", run.backend.tensor_model_parallel_size))
-    for key, tp in sizes:
+def check_model_shape(
+    run: RunConfig,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+) -> None:
+    """Checks that need the model's config: tensor parallel sizes must split the heads; with
+    Megatron, pipeline stages the layers and tensor parallelism the vocabulary."""
+    tp = run.rollout.tensor_model_parallel_size
+    key = "rollout.tensor_model_parallel_size"
+    check(
+        num_attention_heads % tp == 0, f"{key}={tp} does not divide the model's {num_attention_heads} attention heads"
+    )
+    check(
+        num_key_value_heads % tp == 0 or tp % num_key_value_heads == 0,
+        f"{key}={tp} does not divide the model's {num_key_value_heads} key/value heads",
+    )
+    if not isinstance(run.backend, MegatronBackendConfig):
+        return
+    b = run.backend
+    tp, pp = b.tensor_model_parallel_size, b.pipeline_model_parallel_size
+    key = "backend.tensor_model_parallel_size"
+    check(
+        num_attention_heads % tp == 0, f"{key}={tp} does not divide the model's {num_attention_heads} attention heads"
+    )
+    # Megatron can replicate KV heads when tp > groups, but the per-group qkv layout the adapter
+    # export relies on assumes each rank holds whole groups.
+    check(
+        num_key_value_heads % tp == 0,
+        f"{key}={tp} does not divide the model's {num_key_value_heads} key/value heads; use a tensor parallel size "
+        "that divides it",
+    )
+    if num_layers is not None:
         check(
-            num_attention_heads % tp == 0,
-            f"{key}={tp} does not divide the model's {num_attention_heads} attention heads",
+            num_layers % pp == 0,
+            f"backend.pipeline_model_parallel_size={pp} does not divide the model's {num_layers} layers",
         )
+        n = b.recompute_num_layers
         check(
-            num_key_value_heads % tp == 0 or tp % num_key_value_heads == 0,
-            f"{key}={tp} does not divide the model's {num_key_value_heads} key/value heads",
+            n is None or n <= num_layers // pp,
+            f"backend.recompute_num_layers={n} exceeds the {num_layers // pp} layers per pipeline stage",
         )
+    # VocabParallelEmbedding splits rows evenly; Megatron-Bridge does not pad Qwen2's vocab.
+    check(
+        vocab_size is None or vocab_size % tp == 0,
+        f"{key}={tp} does not divide the model's vocab_size={vocab_size}",
+    )
 
 
 def steps_for(run: RunConfig, steps_per_epoch: int) -> int:

@@ -33,6 +33,10 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 POLICY_LOSSES = ("vanilla", "gspo")
 KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
 ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask")
+# Megatron-Bridge's LoRA classes and A initialisations (ParallelLinearAdapter._get_init_fn; "zero" is B's).
+LORA_TYPES = ("lora", "canonical_lora")
+LORA_INIT_METHODS = ("xavier", "kaiming", "normal")
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -88,8 +92,8 @@ class LoraConfig:
                 f"model.lora.target_modules contains {name!r}: vLLM cannot load LoRA on lm_head/embed_tokens; "
                 f"target the linear projections ({','.join(HF_LINEAR_PROJECTIONS)})",
             )
-        one_of("model.lora.type", self.type, ("lora", "canonical_lora"))
-        one_of("model.lora.init_A", self.init_A, ("xavier", "kaiming", "normal"))
+        one_of("model.lora.type", self.type, LORA_TYPES)
+        one_of("model.lora.init_A", self.init_A, LORA_INIT_METHODS)
 
 
 @dataclass
@@ -430,9 +434,65 @@ class MegatronBackendConfig:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
     def check(self) -> None:
+        """What megatron-core would assert later, with lorarl's key names (the model's shape:
+        lorarl.config.check_model_shape)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for key, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+            check(v >= 1, f"backend.{key}={v!r} must be an integer >= 1")
         one_of("backend.strategy", self.strategy, ("megatron",))
         one_of("backend.bridge", self.bridge, ("megatron_bridge", "mbridge"))
-        one_of("backend.transformer_impl", self.transformer_impl, ("transformer_engine", "local"))
+        one_of("backend.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        check(
+            not (self.sequence_parallel and tp == 1),
+            "backend.sequence_parallel=true needs backend.tensor_model_parallel_size > 1 (megatron-core refuses SP "
+            "without TP)",
+        )
+        check(
+            not (self.sequence_parallel and self.transformer_impl == "local"),
+            "backend.sequence_parallel=true needs backend.transformer_impl=transformer_engine: the local spec's "
+            "RMSNorm (torch.nn.RMSNorm wrapper) does not support sequence parallelism",
+        )
+        check(
+            self.bridge != "mbridge" or self.transformer_impl == "transformer_engine",
+            "backend.bridge=mbridge maps TransformerEngine layer names only (linear_qkv.layer_norm_weight); "
+            "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge",
+        )
+        self._check_recompute()
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"):
+            check(
+                key not in self.override_transformer_config,
+                f"backend.override_transformer_config.{key} duplicates backend.{key}; set backend.{key} instead",
+            )
+
+    def _check_recompute(self) -> None:
+        gran, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        check(
+            gran in (None, "full", "selective"),
+            f"backend.recompute_granularity={gran!r} is not valid; use null, full or selective",
+        )
+        check(
+            method in (None, "uniform", "block"),
+            f"backend.recompute_method={method!r} is not valid; use null, uniform or block",
+        )
+        if gran is None:
+            check(
+                method is None and n is None,
+                "backend.recompute_method / backend.recompute_num_layers need backend.recompute_granularity=full",
+            )
+        elif gran == "selective":
+            check(
+                n is None,
+                "backend.recompute_granularity=selective takes no backend.recompute_num_layers; set it to null",
+            )
+        else:
+            check(
+                method is not None,
+                "backend.recompute_granularity=full needs backend.recompute_method=uniform or block",
+            )
+            check(
+                n is not None and n >= 1,
+                f"backend.recompute_granularity=full needs backend.recompute_num_layers >= 1 (got {n!r})",
+            )
 
 
 @dataclass

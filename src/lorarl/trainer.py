@@ -124,7 +124,11 @@ class GRPOTrainer:
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
         check_model_shape(
-            run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
+            run,
+            hf_cfg.num_attention_heads,
+            getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads,
+            num_layers=hf_cfg.num_hidden_layers,
+            vocab_size=hf_cfg.vocab_size,
         )
         self.tokenizer = load_tokenizer(run)
         d = run.data

@@ -34,7 +34,6 @@ from lorarl.engines.base import (
 from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
-    check_megatron,
     peft_adapter_config,
     peft_spec,
     provider_plan,
@@ -90,17 +89,6 @@ class MegatronEngine:
                 ",".join(self.peft_spec.widened),
             )
         self._init_parallel(device, run.trainer.seed)
-        import torch.distributed as dist
-
-        check_megatron(
-            self.lora,
-            self.backend,
-            num_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-            vocab_size=hf_config.vocab_size,
-            world_size=dist.get_world_size(),
-        )
         from megatron.core import parallel_state
 
         self.ps = parallel_state
