@@ -9,10 +9,10 @@ import typing
 import pytest
 import torch
 
-from lorarl.batch import build_batch, micro_batches, padding_frac, split_to
+from lorarl.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.config import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
-from lorarl.ppo import is_on_policy, plan_micro_batches
+from lorarl.ppo import is_on_policy
 from lorarl.ppo import ppo_update as run_ppo_update
 from lorarl.trainer import sampling_of
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, micro_batches, padded_tokens, padding_frac, split_to
+from lorarl.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
 from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn, reduce_metrics
 from lorarl.errors import TrainingError
 from lorarl.messages import Sampling
@@ -25,32 +25,6 @@ def is_on_policy(actor: ActorConfig, train_batch_size: int) -> bool:
     that sampled, so the old log-probs are that forward's own values, detached (ratio 1 with
     the same gradient), and the separate old-log-prob pass is skipped."""
     return actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == train_batch_size
-
-
-def log_prob_token_budget(actor: ActorConfig) -> int:
-    """Padded tokens per forward of a pass without backward: nothing is kept for autograd, so
-    it holds a layer's transient activations and the logits, not every layer's activations. At
-    twice the update's budget its peak stays under what lorarl.memory counts for the update
-    (bf16 logits of 2x the tokens against the update's 3 logit-sized buffers, one layer's
-    activations against all of them), so the sleep decision holds for it too. On one H200 the
-    7B step's reference pass took 0.99 s at 8192 tokens, 1.33 s at 4096 a release before."""
-    return actor.log_prob_max_token_len_per_gpu or 2 * actor.ppo_max_token_len_per_gpu
-
-
-def plan_micro_batches(
-    engine: Engine, batch: TrainBatch, actor: ActorConfig, *, backward: bool = True
-) -> list[list[int]]:
-    """Row indices per micro-batch: `ppo_micro_batch_size_per_gpu` rows, or with
-    `use_dynamic_bsz` a budget of `ppo_max_token_len_per_gpu` padded tokens
-    (`log_prob_token_budget` for a pass with no backward). Collective: every data-parallel rank
-    gets the same number of micro-batches (FSDP gathers weights per forward)."""
-    lengths = batch.lengths.tolist()
-    if not actor.use_dynamic_bsz:
-        return micro_batches(lengths, rows=actor.ppo_micro_batch_size_per_gpu)
-    budget = actor.ppo_max_token_len_per_gpu if backward else log_prob_token_budget(actor)
-    row_sets = micro_batches(lengths, token_budget=budget)
-    count = int(engine.dp_all_reduce([len(row_sets)], op="max")[0])
-    return split_to(row_sets, count, lengths)
 
 
 def ppo_update(

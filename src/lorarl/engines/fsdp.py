@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, causal_mask, position_ids
+from lorarl.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
 from lorarl.config import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
@@ -37,7 +37,6 @@ from lorarl.engines.base import (
 )
 from lorarl.engines.liger import apply_liger_kernel, use_liger_kernel
 from lorarl.errors import ModelError, TrainingError, first_line
-from lorarl.ppo import plan_micro_batches
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."

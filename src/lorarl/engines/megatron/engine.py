@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lorarl.batch import TrainBatch
+from lorarl.batch import TrainBatch, plan_micro_batches
 from lorarl.config import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
@@ -40,7 +40,6 @@ from lorarl.engines.megatron.config_map import (
     require_cuda,
 )
 from lorarl.errors import ConfigError, TrainingError
-from lorarl.ppo import plan_micro_batches
 
 log = logging.getLogger(__name__)
 
