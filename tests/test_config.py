@@ -368,6 +368,10 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
         (["model.builder=tiny_llama"], "model.builder='tiny_llama' is not valid; use null or one of: tiny_qwen2"),
         (["rollout.temperature=0"], "rollout.temperature"),
+        (["data.truncation=middle"], "data.truncation='middle' is not valid"),
+        (["data.train_batch_size=0"], "data.train_batch_size=0 must be > 0"),
+        (["data.max_prompt_length=0"], "data.max_prompt_length and data.max_response_length must be > 0"),
+        (["rollout.adapter_transport=pipe"], "rollout.adapter_transport='pipe' is not valid"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
