@@ -141,9 +141,9 @@ def _schema_values(schema: type, prefix: str = "") -> dict:
 def test_schemas_hold_no_values_the_yaml_holds_them_all(hydra_compose):
     """One source of defaults: a value written in a schema (lorarl.schema) competes with its YAML
     group; every schema key is MISSING there, and the default composition sets every one."""
-    from lorarl.schema import FSDPBackendConfig as F
     from lorarl.schema import GRPOConfig
-    from lorarl.schema import MegatronBackendConfig as M
+    from lorarl.schema_backends import FSDPBackendConfig as F
+    from lorarl.schema_backends import MegatronBackendConfig as M
 
     for schema in (GRPOConfig, F, M):
         valued = _schema_values(schema)

@@ -21,10 +21,8 @@ from lorarl.schema import (  # noqa: F401  (the schemas are part of this module'
     ActorConfig,
     AlgorithmConfig,
     DataConfig,
-    FSDPBackendConfig,
     GRPOConfig,
     LoraConfig,
-    MegatronBackendConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,
@@ -32,6 +30,7 @@ from lorarl.schema import (  # noqa: F401  (the schemas are part of this module'
     cache_dir,
     check,
 )
+from lorarl.schema_backends import FSDPBackendConfig, MegatronBackendConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
