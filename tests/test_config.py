@@ -452,3 +452,10 @@ def test_cli_without_backend_fails_with_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert "+backend=fsdp" in last and "+backend=megatron" in last
     assert "Traceback" not in out.stderr
+
+
+def test_layered_summon_is_an_fsdp_gather(hydra_compose):
+    """The Megatron engine exports through its bridge; a layered gather it cannot do is refused."""
+    with pytest.raises(ConfigError, match=r"rollout\.layered_summon=true gathers the adapter one FSDP unit"):
+        to_run_config(hydra_compose(["+backend=megatron", "rollout.layered_summon=true"]))
+    assert to_run_config(hydra_compose(["+backend=fsdp", "rollout.layered_summon=true"])).rollout.layered_summon

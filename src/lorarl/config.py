@@ -166,6 +166,11 @@ def check_batch_split(run: RunConfig) -> None:
 def check_megatron(run: RunConfig) -> None:
     b, lora = run.backend, run.model.lora
     check(
+        not run.rollout.layered_summon,
+        "rollout.layered_summon=true gathers the adapter one FSDP unit at a time; +backend=megatron exports it "
+        "through its bridge: set rollout.layered_summon=false",
+    )
+    check(
         not (run.actor.use_dynamic_bsz and b.pipeline_model_parallel_size > 1),
         "actor.use_dynamic_bsz=true with backend.pipeline_model_parallel_size>1: pipeline stages exchange "
         "activations of one fixed shape; set actor.use_dynamic_bsz=false",

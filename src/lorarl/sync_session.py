@@ -25,7 +25,7 @@ class SyncSession:
     def __init__(self, run: RunConfig, engine: Engine, rollout, rank: int):
         self.engine, self.rollout, self.rank = engine, rollout, rank
         self.merge = run.model.lora.merge
-        self.method = "layered" if run.rollout.layered_summon else "bucketed"
+        self.method = "layered" if run.rollout.layered_summon else None  # None: the engine's default gather
         self.check = run.trainer.check_sync
         self.tolerance = run.trainer.check_sync_tolerance
         self.probe_freq = run.trainer.check_sync_probe_freq
@@ -50,7 +50,7 @@ class SyncSession:
         stats: list[SyncStats] = []
         checks: dict = {}
         if self.merge or not self.rollout.base_loaded:
-            payload, gather_s = self.engine.export(PayloadKind.BASE, method=self.method)
+            payload, gather_s = self.engine.export(PayloadKind.BASE)
             stats.append(self._apply(payload, gather_s))
             if self.check:
                 checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))

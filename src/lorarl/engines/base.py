@@ -63,10 +63,14 @@ class Engine(Protocol):
     def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """Sum or max of `values` over data-parallel replicas."""
 
-    def export(self, kind: PayloadKind, method: str, dtype: torch.dtype | None = None) -> tuple[WeightPayload, float]:
+    EXPORT_METHODS: tuple[str, ...]  # how this engine can gather an adapter; the first is its default
+
+    def export(
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[WeightPayload, float]:
         """The payload of `kind` and the seconds spent gathering it; every rank gets it whole.
-        `method` is how an adapter is gathered (the engine's EXPORT_METHODS; base payloads
-        ignore it), `dtype` the dtype adapter tensors are cast to (None: as trained)."""
+        `method` is one of EXPORT_METHODS (None: the first; base payloads ignore it), `dtype`
+        the dtype adapter tensors are cast to (None: as trained)."""
 
     def adapter_config(self) -> dict: ...
 

@@ -314,8 +314,11 @@ class FSDPEngine:
         cfg["base_model_name_or_path"] = self.run.model.path
         return {k: v for k, v in cfg.items() if _jsonable(v)}
 
+    # How an adapter can be gathered; the first is the default.
+    EXPORT_METHODS = ("bucketed", "layered", "per_param")
+
     def export(
-        self, kind: PayloadKind, method: str = "bucketed", dtype: torch.dtype | None = None
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[WeightPayload, float]:
         """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call).
         Adapter tensors are cast to `dtype` (the rollout's) and stay on the training device: an
@@ -329,7 +332,7 @@ class FSDPEngine:
                 "layered": self._adapter_layered,
                 "per_param": self._adapter_per_param,
             }
-            tensors = gather[method](dtype)
+            tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0

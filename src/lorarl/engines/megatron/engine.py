@@ -393,14 +393,20 @@ class MegatronEngine:
         cfg["base_model_name_or_path"] = self.path
         return cfg
 
-    def export(self, kind: Any, method: str = "bridge", dtype: torch.dtype | None = None) -> tuple[Any, float]:
+    # One way to gather: the bridge's export (rollout.layered_summon is FSDP's; the config refuses it here).
+    EXPORT_METHODS = ("bridge",)
+
+    def export(self, kind: Any, method: str | None = None, dtype: torch.dtype | None = None) -> tuple[Any, float]:
         """(WeightPayload of `kind`, gather seconds); collective, all ranks get full tensors.
 
         ADAPTER: export_adapter_weights, PEFT names. BASE: the pure base
         (merge_adapter_weights=False), or merged W + BA when model.lora.merge=true (then vLLM
-        runs without LoRA). `method` exists for FSDPEngine's signature; the bridge decides.
+        runs without LoRA).
         """
         from lorarl.sync import PayloadKind, WeightPayload
+
+        if method not in (None, *self.EXPORT_METHODS):
+            raise ValueError(f"the Megatron engine exports through its bridge only, not {method!r}")
 
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
