@@ -102,6 +102,7 @@ def make_run(
         f"trainer.n_gpus_per_node={world}",
         f"trainer.device={device}",
         "trainer.check_sync=true",
+        "trainer.check_sync_probe_freq=1",  # the parity probe after every step's sync
         f"trainer.check_sync_tolerance={0.1 if tiny else 0.25}",
     ]
     if backend == "megatron":
@@ -323,24 +324,24 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
 
 
 def _resend(worker) -> tuple[dict, float]:
-    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
+    """worker.sync with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
     from lorarl import sync_checks
+    from lorarl.messages import SyncRequest
 
-    t = worker.run.trainer
-    check = t.check_sync
-    t.check_sync = False
+    session = worker.sync_session
+    check, session.check = session.check, False
     try:
-        out = worker.sync()
+        out = worker.sync(SyncRequest(step=0, last=False))
     finally:
-        t.check_sync = check
-    return out, sync_checks.measure_probe(worker.engine, worker.rollout, worker.probe_seqs).sync_max
+        session.check = check
+    return out, sync_checks.measure_probe(worker.engine, worker.rollout, session.probe_seqs).sync_max
 
 
 def _greedy_and_probe(worker, prompts):
     """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
     so cached and fresh prefills are never compared."""
     r = worker.rollout
-    seq, start = worker.probe_seqs[0], 1
+    seq, start = worker.sync_session.probe_seqs[0], 1
     r.reset_prefix_cache()
     tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
     r.reset_prefix_cache()
@@ -381,7 +382,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.probe()["sync/logprob_diff_max"]
+    probe1 = worker.sync_session.probe()["sync/logprob_diff_max"]
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded
