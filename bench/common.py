@@ -338,8 +338,9 @@ def gpu_args(name: str, description: str, argv: list[str] | None) -> argparse.Na
 
 def ppo_step(engine, batch, step: int) -> dict:
     """One PPO update as the worker runs it (lorarl.ppo.ppo_update) on an engine built from a run."""
-    from lorarl.ppo import ppo_update
+    from lorarl.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
     run = engine.run
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, run.algorithm.rollout_correction)
+    correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)

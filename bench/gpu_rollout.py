@@ -68,6 +68,59 @@ def generation_rates(llm, prompts, tokens: int, request, repeats: int) -> list[f
     return rates
 
 
+def rollout_records(
+    cfg: str, first: str, sync: dict, info: dict, finals: dict, rates: dict, workloads: tuple
+) -> list[Record]:
+    """Sync records against the first adapter transport (an error where adapter and merged
+    engines disagree on the probe), then generation rates against merged weights, with the
+    tokens per step above which merged sync wins."""
+    diff = max(abs(a - b) for a, b in zip(finals[first], finals["merged"]))
+    records = []
+    sync_stats = {name: Stat.of(samples) for name, samples in sync.items()}
+    for name, stat in sync_stats.items():
+        records.append(
+            Record(
+                "gpu_rollout",
+                f"sync: {name}",
+                cfg,
+                stat,
+                baseline=None if name == first else f"sync: {first}",
+                ratio=None if name == first else ratio_of_medians(stat, sync_stats[first]),
+                extra={**info[name], "probe_logprob_diff_adapter_vs_merged": diff},
+                error=f"adapter and merged engines disagree on the probe by {diff:.3g} (> 0.25)"
+                if diff > 0.25
+                else None,
+            )
+        )
+    sync_a, sync_m = sync_stats[first].median, sync_stats["merged"].median
+    for prompts, tokens in workloads:
+        merged_rate = Stat.of(rates[("merged", prompts)], unit="tok/s")
+        rate_m = merged_rate.median
+        for kind in ("merged", "adapter", "lora_no_adapter"):
+            stat = Stat.of(rates[(kind, prompts)], unit="tok/s")
+            extra = {}
+            if kind == "adapter":
+                rate_a = stat.median
+                if rate_m > rate_a and sync_m > sync_a:
+                    extra["merged_wins_above_tokens_per_step"] = (sync_m - sync_a) / (1 / rate_a - 1 / rate_m)
+                elif rate_m > rate_a:
+                    extra["merged_wins_above_tokens_per_step"] = 0.0
+                else:
+                    extra["merged_wins_above_tokens_per_step"] = None
+            records.append(
+                Record(
+                    "gpu_rollout",
+                    f"generate: {kind}",
+                    f"{cfg}; {prompts} prompts x {tokens} tokens",
+                    stat,
+                    baseline=None if kind == "merged" else "generate: merged",
+                    ratio=None if kind == "merged" else ratio_of_medians(stat, merged_rate),
+                    extra=extra,
+                )
+            )
+    return records
+
+
 def measure(
     key: str,
     cache: Path,
@@ -159,51 +212,7 @@ def measure(
     del rollout
     release()
 
-    first = f"adapter_{transports[0]}"
-    diff = max(abs(a - b) for a, b in zip(finals[first], finals["merged"]))
-    records = []
-    sync_stats = {name: Stat.of(samples) for name, samples in sync.items()}
-    for name, stat in sync_stats.items():
-        records.append(
-            Record(
-                "gpu_rollout",
-                f"sync: {name}",
-                cfg,
-                stat,
-                baseline=None if name == first else f"sync: {first}",
-                ratio=None if name == first else ratio_of_medians(stat, sync_stats[first]),
-                extra={**info[name], "probe_logprob_diff_adapter_vs_merged": diff},
-                error=f"adapter and merged engines disagree on the probe by {diff:.3g} (> 0.25)"
-                if diff > 0.25
-                else None,
-            )
-        )
-    sync_a, sync_m = sync_stats[first].median, sync_stats["merged"].median
-    for prompts, tokens in workloads:
-        merged_rate = Stat.of(rates[("merged", prompts)], unit="tok/s")
-        rate_m = merged_rate.median
-        for kind in ("merged", "adapter", "lora_no_adapter"):
-            stat = Stat.of(rates[(kind, prompts)], unit="tok/s")
-            extra = {}
-            if kind == "adapter":
-                rate_a = stat.median
-                if rate_m > rate_a and sync_m > sync_a:
-                    extra["merged_wins_above_tokens_per_step"] = (sync_m - sync_a) / (1 / rate_a - 1 / rate_m)
-                elif rate_m > rate_a:
-                    extra["merged_wins_above_tokens_per_step"] = 0.0
-                else:
-                    extra["merged_wins_above_tokens_per_step"] = None
-            records.append(
-                Record(
-                    "gpu_rollout",
-                    f"generate: {kind}",
-                    f"{cfg}; {prompts} prompts x {tokens} tokens",
-                    stat,
-                    baseline=None if kind == "merged" else "generate: merged",
-                    ratio=None if kind == "merged" else ratio_of_medians(stat, merged_rate),
-                    extra=extra,
-                )
-            )
+    records = rollout_records(cfg, f"adapter_{transports[0]}", sync, info, finals, rates, workloads)
     del model, base
     release()
     return records

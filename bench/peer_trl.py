@@ -62,6 +62,17 @@ def run_ours(cache: Path, steps: int, tmp: Path, threads: int | None) -> list[di
     return run_grpo(tmp / f"ours_t{threads}", cache, overrides, threads=threads)
 
 
+def arith_train_file(cache: Path) -> str:
+    """The arith train parquet the lorarl run reads (conf/data/arith.yaml names the folder), written if missing."""
+    os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in the data config reads it
+    from lorarl.config import compose
+    from lorarl.trainer import prepare_data
+
+    run = compose(["+backend=fsdp", "data=arith"])
+    prepare_data(run)
+    return run.data.train_files[0]
+
+
 def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
     out = tmp / "trl.json"
     env = {
@@ -78,7 +89,7 @@ def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
         "--model",
         str(cache / "qwen2_tiny"),
         "--train-parquet",
-        str(cache / "data" / "arith_n1024" / "train.parquet"),
+        arith_train_file(cache),
         "--steps",
         str(steps),
         "--prompts",
@@ -100,6 +111,119 @@ def run_trl(cache: Path, steps: int, tmp: Path, threads: int) -> dict:
     return json.loads(out.read_text())
 
 
+def ours_records(cache: Path, steps: int, tmp: Path, trl_threads: int, config: str) -> tuple[list[Record], dict]:
+    """lorarl at TRL's thread count (the baseline), then as shipped: step and sync records, and
+    the baseline's stats by label."""
+    records: list[Record] = []
+    default_threads = max(1, os.cpu_count() or 1)  # lorarl's worker group: cpu_count // ranks, 1 rank
+    ours: dict[str, Stat] = {}
+    matched = f"{OURS}, {trl_threads} thread"
+    # Matched threads first: it is the baseline for TRL. Then lorarl as shipped.
+    for label, threads in ((matched, trl_threads), (f"{OURS}, {default_threads} threads (default)", None)):
+        try:
+            rows = run_ours(cache, steps, tmp, threads)[WARMUP_STEPS:]
+        except Exception as exc:  # noqa: BLE001 - recorded as the result
+            records.append(
+                Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])
+            )
+            continue
+        step, sync = Stat.of([r["timing/step"] for r in rows]), Stat.of([r["sync/seconds"] for r in rows])
+        ours[label] = step
+        ours[label + " sync"] = sync
+        extra = {
+            "sync_bytes": rows[-1]["sync/bytes"],
+            "reward_mean_per_step": [r["reward/mean"] for r in rows],
+            "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
+            # Where lorarl's step goes, for reading the ratio (medians over the same steps).
+            "median_s": {
+                k: Stat.of([r[k] for r in rows]).median
+                for k in (
+                    "timing/gen",
+                    "timing/old_logp",
+                    "timing/ref_logp",
+                    "timing/update",
+                    "timing/train",
+                    "timing/sync",
+                )
+                if all(k in r for r in rows)
+            },
+        }
+        base_step = ours.get(matched) if label != matched else None
+        base_sync = ours.get(matched + " sync") if label != matched else None
+        records.append(
+            versus(f"{label}: seconds per step", config, step, f"{matched}: seconds per step", base_step, extra)
+        )
+        records.append(
+            versus(
+                f"{label}: seconds per sync",
+                config,
+                sync,
+                f"{matched}: seconds per sync",
+                base_sync,
+                {"sync_bytes": rows[-1]["sync/bytes"]},
+            )
+        )
+    return records, ours
+
+
+def trl_records(
+    cache: Path, steps: int, tmp: Path, trl_threads: int, config: str, ours: dict, matched: str
+) -> list[Record]:
+    """TRL's step and sync records against the baseline (an error record without trl)."""
+    records: list[Record] = []
+    ours_step, ours_sync = ours.get(matched), ours.get(matched + " sync")
+    if importlib.util.find_spec("trl") is None:
+        records.append(
+            Record(
+                "peer_trl",
+                TRL,
+                config,
+                None,
+                error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)",
+            )
+        )
+    else:
+        try:
+            result = run_trl(cache, steps, tmp, trl_threads)
+            steps = result["steps_s"][WARMUP_STEPS:]
+            # Sync i happens at the start of step i+1; the first one (before step 1) is warm-up.
+            syncs = [s["seconds"] for s in result["syncs"] if "error" not in s and not s.get("after_failure")]
+            failure = next((s["error"] for s in result["syncs"] if "error" in s), None)
+            trl_step, trl_sync = Stat.of(steps), Stat.of(syncs[WARMUP_STEPS - 1 :] or syncs)
+            mode = "TRL's sync routed through vLLM reload_weights" if failure else "TRL unchanged"
+            extra = {
+                "sync_as_is_error": failure,
+                "sync_mode": mode,
+                "init_s": result["init_s"],
+                "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
+                "torch_threads": result["torch_threads"],
+            }
+            trl_label = f"{TRL}, {result['torch_threads']} thread"
+            records.append(
+                versus(
+                    f"{trl_label}: seconds per step ({mode})",
+                    config,
+                    trl_step,
+                    f"{matched}: seconds per step",
+                    ours_step,
+                    extra,
+                )
+            )
+            records.append(
+                versus(
+                    f"{trl_label}: seconds per sync ({mode})",
+                    config,
+                    trl_sync,
+                    f"{matched}: seconds per sync",
+                    ours_sync,
+                    {"sync_as_is_error": failure},
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - recorded as the result
+            records.append(Record("peer_trl", TRL, config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -109,111 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cache = cache_dir(args.cache)
     tiny_model(cache)
-    default_threads = max(1, os.cpu_count() or 1)  # lorarl's worker group: cpu_count // ranks, 1 rank
     config = (
         f"tiny Qwen2 fp32, arith, {PROMPTS} prompts x {N} x <={MAX_TOKENS} tokens, LoRA r=16, {args.steps} steps "
         f"(first {WARMUP_STEPS} dropped), CPU"
     )
-    records: list[Record] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        ours: dict[str, Stat] = {}
+        records, ours = ours_records(cache, args.steps, tmp, args.trl_threads, config)
         matched = f"{OURS}, {args.trl_threads} thread"
-        # Matched threads first: it is the baseline for TRL. Then lorarl as shipped.
-        for label, threads in ((matched, args.trl_threads), (f"{OURS}, {default_threads} threads (default)", None)):
-            try:
-                rows = run_ours(cache, args.steps, tmp, threads)[WARMUP_STEPS:]
-            except Exception as exc:  # noqa: BLE001 - recorded as the result
-                records.append(
-                    Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])
-                )
-                continue
-            step, sync = Stat.of([r["timing/step"] for r in rows]), Stat.of([r["sync/seconds"] for r in rows])
-            ours[label] = step
-            ours[label + " sync"] = sync
-            extra = {
-                "sync_bytes": rows[-1]["sync/bytes"],
-                "reward_mean_per_step": [r["reward/mean"] for r in rows],
-                "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
-                # Where lorarl's step goes, for reading the ratio (medians over the same steps).
-                "median_s": {
-                    k: Stat.of([r[k] for r in rows]).median
-                    for k in (
-                        "timing/gen",
-                        "timing/old_logp",
-                        "timing/ref_logp",
-                        "timing/update",
-                        "timing/train",
-                        "timing/sync",
-                    )
-                    if all(k in r for r in rows)
-                },
-            }
-            base_step = ours.get(matched) if label != matched else None
-            base_sync = ours.get(matched + " sync") if label != matched else None
-            records.append(
-                versus(f"{label}: seconds per step", config, step, f"{matched}: seconds per step", base_step, extra)
-            )
-            records.append(
-                versus(
-                    f"{label}: seconds per sync",
-                    config,
-                    sync,
-                    f"{matched}: seconds per sync",
-                    base_sync,
-                    {"sync_bytes": rows[-1]["sync/bytes"]},
-                )
-            )
-        ours_step, ours_sync = ours.get(matched), ours.get(matched + " sync")
-        if importlib.util.find_spec("trl") is None:
-            records.append(
-                Record(
-                    "peer_trl",
-                    TRL,
-                    config,
-                    None,
-                    error="trl is not installed: pip install trl==1.16.0 (keeps torch/vllm/transformers)",
-                )
-            )
-        else:
-            try:
-                result = run_trl(cache, args.steps, tmp, args.trl_threads)
-                steps = result["steps_s"][WARMUP_STEPS:]
-                # Sync i happens at the start of step i+1; the first one (before step 1) is warm-up.
-                syncs = [s["seconds"] for s in result["syncs"] if "error" not in s and not s.get("after_failure")]
-                failure = next((s["error"] for s in result["syncs"] if "error" in s), None)
-                trl_step, trl_sync = Stat.of(steps), Stat.of(syncs[WARMUP_STEPS - 1 :] or syncs)
-                mode = "TRL's sync routed through vLLM reload_weights" if failure else "TRL unchanged"
-                extra = {
-                    "sync_as_is_error": failure,
-                    "sync_mode": mode,
-                    "init_s": result["init_s"],
-                    "reward_mean_per_step": result["reward_mean_per_step"][WARMUP_STEPS:],
-                    "torch_threads": result["torch_threads"],
-                }
-                trl_label = f"{TRL}, {result['torch_threads']} thread"
-                records.append(
-                    versus(
-                        f"{trl_label}: seconds per step ({mode})",
-                        config,
-                        trl_step,
-                        f"{matched}: seconds per step",
-                        ours_step,
-                        extra,
-                    )
-                )
-                records.append(
-                    versus(
-                        f"{trl_label}: seconds per sync ({mode})",
-                        config,
-                        trl_sync,
-                        f"{matched}: seconds per sync",
-                        ours_sync,
-                        {"sync_as_is_error": failure},
-                    )
-                )
-            except Exception as exc:  # noqa: BLE001 - recorded as the result
-                records.append(Record("peer_trl", TRL, config, None, error=f"{type(exc).__name__}: {exc}"[:900]))
+        records += trl_records(cache, args.steps, tmp, args.trl_threads, config, ours, matched)
     write_json(Path(args.out), [r.as_dict() for r in records])
     return 0
 

@@ -112,13 +112,59 @@ def max_diff(x: list[float], y: list[float]) -> float:
     return max(abs(a - b) for a, b in zip(x, y))
 
 
+def start_engines(path: Path) -> tuple[dict, dict]:
+    """The three engines (LoRA over tmpfs, LoRA from memory, no LoRA for merged weights) and
+    their start-up seconds."""
+    from lorarl.rollout.vllm import VLLMRollout
+
+    kw = dict(max_model_len=MAX_MODEL_LEN, seed=0)
+    engines: dict[str, VLLMRollout] = {}
+    init_s = {}
+    init_s["lora_tmpfs"], engines["a_tmpfs"] = timed(
+        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="tmpfs", **kw)
+    )
+    init_s["lora_memory"], engines["a_memory"] = timed(
+        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="memory", **kw)
+    )
+    init_s["no_lora"], engines["b_merged"] = timed(lambda: VLLMRollout(path, lora_rank=None, **kw))
+    return engines, init_s
+
+
+def sync_records(cfg: str, samples: dict[str, list[float]], tol: float, extra: dict) -> list[Record]:
+    """One record per method, against (a) tmpfs, an error where its probe disagreed with HF+PEFT."""
+    records = []
+    for method in METHODS:
+        bad = extra["checks"][method] > tol
+        records.append(
+            Record(
+                "sync_latency",
+                LABELS[method],
+                cfg,
+                Stat.of(samples[method]),
+                baseline=None if method == "a_tmpfs" else LABELS["a_tmpfs"],
+                ratio=None if method == "a_tmpfs" else ratio_stat(samples[method], samples["a_tmpfs"]),
+                extra={
+                    **extra["details"][method],
+                    "warmup_s": extra["firsts"][method],
+                    "logprob_diff_vs_hf_peft": extra["checks"][method],
+                    "adapter_effect_on_logprob": extra["effect"],
+                    "tolerance": tol,
+                    "engine_init_s": extra["init_s"],
+                },
+                error=f"after the sync vLLM disagrees with HF+PEFT by {extra['checks'][method]:.4g} > {tol:.3g}: not synced"
+                if bad
+                else None,
+            )
+        )
+    return records
+
+
 def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: int, gen_repeats: int) -> list[Record]:
     import torch
     from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm.lora.request import LoRARequest
 
-    from lorarl.rollout.vllm import VLLMRollout
     from lorarl.sync import WeightPayload
 
     dtype_name = _checkpoint_dtype(path)
@@ -131,16 +177,7 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
     probe, start = probe_sequence(tokenizer)
     cfg = f"{name}, {dtype_name}, LoRA r={LORA_RANK} all 7 proj, {torch.get_num_threads()} torch thread(s)"
 
-    kw = dict(max_model_len=MAX_MODEL_LEN, seed=0)
-    engines: dict[str, VLLMRollout] = {}
-    init_s = {}
-    init_s["lora_tmpfs"], engines["a_tmpfs"] = timed(
-        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="tmpfs", **kw)
-    )
-    init_s["lora_memory"], engines["a_memory"] = timed(
-        lambda: VLLMRollout(path, lora_rank=LORA_RANK, adapter_transport="memory", **kw)
-    )
-    init_s["no_lora"], engines["b_merged"] = timed(lambda: VLLMRollout(path, lora_rank=None, **kw))
+    engines, init_s = start_engines(path)
     base_probe = engines["b_merged"].prompt_logprobs(probe, start)  # base from disk, before any sync
 
     # (c) shares the tmpfs engine: vLLM keeps one adapter (max_loras=1), so each method's load
@@ -207,30 +244,8 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
     tol = 1e-3 if dtype_name == "float32" else max(0.05, 0.1 * effect)
     checks = {m: max_diff(finals[m], reference) for m in METHODS}
 
-    records = []
-    for method in METHODS:
-        bad = checks[method] > tol
-        records.append(
-            Record(
-                "sync_latency",
-                LABELS[method],
-                cfg,
-                Stat.of(samples[method]),
-                baseline=None if method == "a_tmpfs" else LABELS["a_tmpfs"],
-                ratio=None if method == "a_tmpfs" else ratio_stat(samples[method], samples["a_tmpfs"]),
-                extra={
-                    **details[method],
-                    "warmup_s": firsts[method],
-                    "logprob_diff_vs_hf_peft": checks[method],
-                    "adapter_effect_on_logprob": effect,
-                    "tolerance": tol,
-                    "engine_init_s": init_s,
-                },
-                error=f"after the sync vLLM disagrees with HF+PEFT by {checks[method]:.4g} > {tol:.3g}: not synced"
-                if bad
-                else None,
-            )
-        )
+    extra = {"firsts": firsts, "details": details, "checks": checks, "effect": effect, "init_s": init_s}
+    records = sync_records(cfg, samples, tol, extra)
     if gen_repeats:
         records += measure_generation(name, cfg, engines, tokenizer, gen_repeats)
     for engine in engines.values():

@@ -26,6 +26,8 @@ old log-probs for vLLM importance-sampling correction, reference log-probs when 
 `score_s` (the rest of _generate_and_score_completions: tokenising, rewards, advantages), and
 `update_s` (the step minus _generate_and_score_completions: forward+backward of every
 micro-batch and the optimizer step). On CUDA each timer ends with a device synchronize.
+`--vllm-is-correction/--vllm-is-mode/--vllm-is-clip-*` set TRL's importance-sampling correction
+(bench.step_plan maps lorarl's `algorithm.rollout_correction` onto them, so both run one algorithm).
 The output file is rewritten after every step, so a run stopped early keeps its steps.
 """
 
@@ -82,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="TRL's vLLM importance-sampling correction (on, TRL's default, adds an old-log-prob pass)",
     )
+    ap.add_argument(
+        "--vllm-is-mode",
+        choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+        default=None,
+        help="TRL's importance-sampling mode (default: TRL's)",
+    )
+    ap.add_argument("--vllm-is-clip-max", type=float, default=None, help="C_max (default: TRL's)")
+    ap.add_argument("--vllm-is-clip-min", type=float, default=None, help="C_min (default: TRL's, none)")
     args = ap.parse_args(argv)
     completions = args.prompts * args.n
     args.micro_batch = args.micro_batch or completions
@@ -92,150 +102,157 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
+def prompt_dataset(path: str):
+    """The parquet's rows as TRL's conversational prompts, with what the reward needs."""
     import pyarrow.parquet as pq
-    import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.generation import vllm_generation
 
-    on_cuda = args.device == "cuda"
-
-    def settle() -> None:
-        # Timers read the clock after queued GPU work has finished.
-        if on_cuda:
-            torch.cuda.synchronize()
-
-    from lorarl.rewards import get_reward_fn
-
-    rows = pq.read_table(args.train_parquet).to_pylist()
-    data = Dataset.from_list(
+    rows = pq.read_table(path).to_pylist()
+    return Dataset.from_list(
         [
             {"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"]}
             for r in rows
         ]
     )
 
-    def reward(completions, ground_truth, data_source, **_):
-        out = []
-        for completion, truth, source in zip(completions, ground_truth, data_source):
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            out.append(float(get_reward_fn(source)(text, truth, None)))
-        return out
 
-    sync_log: list[dict] = []
-    phase: dict[str, float] = {}  # seconds and tokens of the step in progress
-    original_sync = vllm_generation.VLLMGeneration.sync_weights
+def reward(completions, ground_truth, data_source, **_):
+    """lorarl's reward function of each row's data source, as a TRL reward function."""
+    from lorarl.rewards import get_reward_fn
 
-    def add(key: str, value: float) -> None:
-        phase[key] = phase.get(key, 0.0) + value
+    out = []
+    for completion, truth, source in zip(completions, ground_truth, data_source):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        out.append(float(get_reward_fn(source)(text, truth, None)))
+    return out
 
-    def reload_sync(self) -> None:
-        # TRL's merged-weight stream, handed to vLLM's reload path instead of raw load_weights.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._iter_named_params()})
-        self.llm.reset_prefix_cache()
 
-    def timed_sync(self) -> None:
-        t_all = time.perf_counter()
-        try:
-            sync_once(self)
-        finally:
-            settle()
-            add("sync_s", time.perf_counter() - t_all)
+class PhaseTimers:
+    """Wraps TRL's own methods to time a step's phases into `phase` (cleared by the step timer):
+    generation, the weight sync (with the CPU build's fallback to `reload_weights`), the no-grad
+    log-prob passes, and generate-and-score with the step's token counts."""
 
-    def sync_once(self) -> None:
-        as_is = not any("error" in entry for entry in sync_log)
+    def __init__(self, on_cuda: bool):
+        import torch
+
+        self.on_cuda = on_cuda
+        self.torch = torch
+        self.phase: dict[str, float] = {}
+        self.sync_log: list[dict] = []
+
+    def settle(self) -> None:
+        # Timers read the clock after queued GPU work has finished.
+        if self.on_cuda:
+            self.torch.cuda.synchronize()
+
+    def add(self, key: str, value: float) -> None:
+        self.phase[key] = self.phase.get(key, 0.0) + value
+
+    def install(self) -> None:
+        from trl import GRPOTrainer
+        from trl.generation import vllm_generation
+
+        gen_cls = vllm_generation.VLLMGeneration
+        original_sync, original_generate = gen_cls.sync_weights, gen_cls.generate
+        original_logps = GRPOTrainer._get_per_token_logps_and_entropies
+        original_score = GRPOTrainer._generate_and_score_completions
+        timers = self
+
+        def timed_sync(self_) -> None:
+            t0 = time.perf_counter()
+            try:
+                timers.sync_once(self_, original_sync)
+            finally:
+                timers.settle()
+                timers.add("sync_s", time.perf_counter() - t0)
+
+        def timed_generate(self_, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return original_generate(self_, *a, **kw)
+            finally:
+                timers.add("generation_s", time.perf_counter() - t0)
+
+        def timed_logps(self_, *a, **kw):
+            if timers.torch.is_grad_enabled():  # the training forward: part of update_s
+                return original_logps(self_, *a, **kw)
+            t0 = time.perf_counter()
+            try:
+                out = original_logps(self_, *a, **kw)
+                timers.settle()
+                return out
+            finally:
+                timers.add("logp_s", time.perf_counter() - t0)
+
+        def timed_score(self_, *a, **kw):
+            t0 = time.perf_counter()
+            out = original_score(self_, *a, **kw)
+            timers.settle()
+            timers.add("generate_and_score_s", time.perf_counter() - t0)
+            timers.add("prompt_tokens", int(out["prompt_mask"].sum()))
+            timers.add("completion_tokens", int(out["completion_mask"].sum()))
+            timers.add("completions", int(out["completion_mask"].shape[0]))
+            return out
+
+        gen_cls.sync_weights, gen_cls.generate = timed_sync, timed_generate
+        GRPOTrainer._get_per_token_logps_and_entropies = timed_logps
+        GRPOTrainer._generate_and_score_completions = timed_score
+
+    def sync_once(self, gen, original_sync) -> None:
+        """TRL's sync as is until it fails once; from then on its merged weights through vLLM's
+        reload path (the CPU build keeps re-packed weights behind empty placeholders)."""
         t0 = time.perf_counter()
-        if not as_is:
-            reload_sync(self)
-            sync_log.append({"mode": "reload_weights", "seconds": time.perf_counter() - t0})
+        if any("error" in entry for entry in self.sync_log):
+            reload_sync(gen)
+            self.sync_log.append({"mode": "reload_weights", "seconds": time.perf_counter() - t0})
             return
         try:
-            original_sync(self)
-            sync_log.append({"mode": "trl_as_is", "seconds": time.perf_counter() - t0})
+            original_sync(gen)
+            self.sync_log.append({"mode": "trl_as_is", "seconds": time.perf_counter() - t0})
         except Exception as exc:  # noqa: BLE001 - the failure is a result; the run goes on via reload
-            sync_log.append(
-                {
-                    "mode": "trl_as_is",
-                    "seconds": time.perf_counter() - t0,
-                    "error": f"{type(exc).__name__}: {exc}"[:400],
-                }
-            )
+            error = f"{type(exc).__name__}: {exc}"[:400]
+            self.sync_log.append({"mode": "trl_as_is", "seconds": time.perf_counter() - t0, "error": error})
             t1 = time.perf_counter()
-            reload_sync(self)
-            sync_log.append({"mode": "reload_weights", "seconds": time.perf_counter() - t1, "after_failure": True})
+            reload_sync(gen)
+            self.sync_log.append({"mode": "reload_weights", "seconds": time.perf_counter() - t1, "after_failure": True})
 
-    vllm_generation.VLLMGeneration.sync_weights = timed_sync
+    def step_row(self, step: int, seconds: float) -> dict:
+        """The finished step's phases; update_s is the step minus generate-and-score."""
+        row = {"step": step, "step_s": seconds, **self.phase}
+        row.setdefault("sync_s", 0.0)
+        row.setdefault("logp_s", 0.0)
+        if "generate_and_score_s" in row:
+            row["update_s"] = seconds - row["generate_and_score_s"]
+            row["score_s"] = row["generate_and_score_s"] - row.get("generation_s", 0.0) - row["sync_s"] - row["logp_s"]
+        return row
 
-    original_generate = vllm_generation.VLLMGeneration.generate
 
-    def timed_generate(self, *a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return original_generate(self, *a, **kw)
-        finally:
-            add("generation_s", time.perf_counter() - t0)
+def reload_sync(gen) -> None:
+    # TRL's merged-weight stream, handed to vLLM's reload path instead of raw load_weights.
+    gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": gen._iter_named_params()})
+    gen.llm.reset_prefix_cache()
 
-    vllm_generation.VLLMGeneration.generate = timed_generate
 
-    original_logps = GRPOTrainer._get_per_token_logps_and_entropies
+def grpo_config(args: argparse.Namespace):
+    """One generation of prompts x n completions per optimizer step: micro-batches of
+    per_device_train_batch_size, accumulated over steps_per_generation = accumulation steps."""
+    from trl import GRPOConfig
 
-    def timed_logps(self, *a, **kw):
-        if torch.is_grad_enabled():  # the training forward: part of update_s
-            return original_logps(self, *a, **kw)
-        t0 = time.perf_counter()
-        try:
-            out = original_logps(self, *a, **kw)
-            settle()
-            return out
-        finally:
-            add("logp_s", time.perf_counter() - t0)
-
-    GRPOTrainer._get_per_token_logps_and_entropies = timed_logps
-
-    original_score = GRPOTrainer._generate_and_score_completions
-
-    def timed_score(self, *a, **kw):
-        t0 = time.perf_counter()
-        out = original_score(self, *a, **kw)
-        settle()
-        add("generate_and_score_s", time.perf_counter() - t0)
-        prompt_tokens = int(out["prompt_mask"].sum())
-        completion_tokens = int(out["completion_mask"].sum())
-        add("prompt_tokens", prompt_tokens)
-        add("completion_tokens", completion_tokens)
-        add("completions", int(out["completion_mask"].shape[0]))
-        return out
-
-    GRPOTrainer._generate_and_score_completions = timed_score
-
-    steps: list[float] = []
-    step_rows: list[dict] = []
-
-    workdir = Path(args.workdir or Path(args.out).with_suffix(".trl_out"))
-    completions = args.prompts * args.n
-    accumulation = completions // args.micro_batch
+    accumulation = args.prompts * args.n // args.micro_batch
     optional = {}
     if args.vllm_gpu_memory_utilization is not None:
         optional["vllm_gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
     if args.ignore_eos:
         # Random weights rarely sample EOS; this makes sure no completion ends before max_tokens.
         optional["generation_kwargs"] = {"ignore_eos": True}
-    config = GRPOConfig(
-        output_dir=str(workdir),
-        use_cpu=not on_cuda,
+    for key in ("vllm_is_mode", "vllm_is_clip_max", "vllm_is_clip_min"):
+        if getattr(args, key) is not None:
+            optional[key.replace("vllm_is_", "vllm_importance_sampling_")] = getattr(args, key)
+    return GRPOConfig(
+        output_dir=str(args.workdir or Path(args.out).with_suffix(".trl_out")),
+        use_cpu=args.device != "cuda",
         bf16=args.dtype == "bfloat16",
         fp16=False,
-        # One generation of prompts x n completions per optimizer step: micro-batches of
-        # per_device_train_batch_size, accumulated over steps_per_generation = accumulation steps.
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=accumulation,
         steps_per_generation=accumulation,
@@ -264,95 +281,105 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
         **optional,
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    peft_config = LoraConfig(
-        r=args.rank,
-        lora_alpha=args.alpha,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )
 
-    def result(train_s: float | None) -> dict:
-        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h] if trainer else []
+
+def run_config(args: argparse.Namespace, config) -> dict:
+    """The settings the run used, as recorded beside its steps."""
+    return {
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "steps": args.steps,
+        "lora_rank": args.rank,
+        "lora_alpha": args.alpha,
+        "lr": args.lr,
+        "beta": args.beta,
+        "device": args.device,
+        "dtype": args.dtype,
+        "per_device_train_batch_size": args.micro_batch,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "steps_per_generation": config.steps_per_generation,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "vllm_gpu_memory_utilization": config.vllm_gpu_memory_utilization,
+        "vllm_importance_sampling_correction": args.vllm_is_correction,
+        "vllm_importance_sampling_mode": config.vllm_importance_sampling_mode,
+        "vllm_importance_sampling_clip_max": config.vllm_importance_sampling_clip_max,
+        "vllm_importance_sampling_clip_min": config.vllm_importance_sampling_clip_min,
+        "vllm_enable_sleep_mode": config.vllm_enable_sleep_mode,
+        "ignore_eos": args.ignore_eos,
+        "keep_order": args.keep_order,
+        "loss_type": config.loss_type,
+    }
+
+
+def write_out(path: str, obj: dict) -> None:
+    # Replaced whole, never half-written: a run stopped mid-write keeps the previous steps.
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    timers = PhaseTimers(on_cuda=args.device == "cuda")
+    timers.install()
+    config = grpo_config(args)
+    steps: list[dict] = []
+    times: dict = {"init_s": None, "train_s": None}
+
+    def result() -> dict:
+        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         return {
-            "steps_s": steps,
-            "steps": step_rows,
-            "syncs": sync_log,
-            "init_s": init_s,
-            "train_s": train_s,
+            "steps_s": [s["step_s"] for s in steps],
+            "steps": steps,
+            "syncs": timers.sync_log,
+            **times,
             "reward_mean_per_step": rewards,
             "torch_threads": torch.get_num_threads(),
-            "config": {
-                "prompts": args.prompts,
-                "n": args.n,
-                "max_tokens": args.max_tokens,
-                "steps": args.steps,
-                "lora_rank": args.rank,
-                "lora_alpha": args.alpha,
-                "lr": args.lr,
-                "beta": args.beta,
-                "device": args.device,
-                "dtype": args.dtype,
-                "per_device_train_batch_size": args.micro_batch,
-                "gradient_accumulation_steps": accumulation,
-                "steps_per_generation": accumulation,
-                "gradient_checkpointing": args.gradient_checkpointing,
-                "vllm_gpu_memory_utilization": config.vllm_gpu_memory_utilization,
-                "vllm_importance_sampling_correction": args.vllm_is_correction,
-                "vllm_enable_sleep_mode": config.vllm_enable_sleep_mode,
-                "ignore_eos": args.ignore_eos,
-                "keep_order": args.keep_order,
-                "loss_type": config.loss_type,
-            },
+            "config": run_config(args, config),
         }
-
-    def write_out(obj: dict) -> None:
-        # Replaced whole, never half-written: a run stopped mid-write keeps the previous steps.
-        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, args.out)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args_, state, control, **kw):
-            settle()
-            phase.clear()
+            timers.settle()
+            timers.phase.clear()
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kw):
-            settle()
-            seconds = time.perf_counter() - self._t0
-            steps.append(seconds)
-            row = {"step": state.global_step, "step_s": seconds, **phase}
-            row.setdefault("sync_s", 0.0)
-            row.setdefault("logp_s", 0.0)
-            if "generate_and_score_s" in row:
-                row["update_s"] = seconds - row["generate_and_score_s"]
-                row["score_s"] = (
-                    row["generate_and_score_s"] - row.get("generation_s", 0.0) - row["sync_s"] - row["logp_s"]
-                )
-            step_rows.append(row)
-            write_out(result(None))
+            timers.settle()
+            steps.append(timers.step_row(state.global_step, time.perf_counter() - self._t0))
+            write_out(args.out, result())
 
-    trainer = None
-    init_s = None
     t0 = time.perf_counter()
     trainer = GRPOTrainer(
-        model=model,
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)),
         reward_funcs=reward,
         args=config,
-        train_dataset=data,
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        train_dataset=prompt_dataset(args.train_parquet),
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        peft_config=LoraConfig(
+            r=args.rank,
+            lora_alpha=args.alpha,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
         callbacks=[StepTimer()],
     )
-    init_s = time.perf_counter() - t0
+    times["init_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     trainer.train()
-    train_s = time.perf_counter() - t0
-    write_out(result(train_s))
+    times["train_s"] = time.perf_counter() - t0
+    write_out(args.out, result())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
-from bench.gpu_step import mfu, param_count
+from bench.step_rows import mfu, param_count
 from lorarl.batch import build_batch
 from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine
@@ -120,6 +120,44 @@ def trace_syncs(engine: FSDPEngine, batch) -> dict[str, int]:
     return dict(sites.most_common(40))
 
 
+def variant_engine(run, spec: str, device: torch.device) -> FSDPEngine:
+    """The project's engine for one variant, with the bench tokens of `spec` applied."""
+    engine = FSDPEngine(run, device)
+    if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
+        engine.prepared_masks = False
+    if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step
+        o = run.actor.optim
+        engine.optimizer = torch.optim.AdamW(
+            engine.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True
+        )
+        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+    return engine
+
+
+def profile_update(engine: FSDPEngine, batch, on_gpu: bool, stem: Path, result: dict) -> None:
+    """One update under torch.profiler: <stem>.txt (by self device time and by CPU time) and
+    <stem>.json (`result` with the profiled wall and kernel seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        synchronize()
+        t0 = time.perf_counter()
+        ppo_step(engine, batch, 100)
+        synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    cuda_total = sum(e.self_device_time_total for e in events) / 1e6
+    result["profiled_wall_s"] = wall
+    result["profiled_kernel_s"] = cuda_total
+    text = [f"profiled update wall {wall:.3f} s, kernel time (sum of self device time) {cuda_total:.3f} s"]
+    text.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+    text.append(events.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
+    stem.with_name(stem.name + ".txt").write_text("\n".join(text))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(result, indent=1))
+    print(text[0], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(PRESETS), default="0.5b")
@@ -163,15 +201,7 @@ def main() -> None:
     for i, spec in enumerate(specs):
         extra = [] if spec == "preset" else [o for o in spec.split(",") if o not in BENCH_TOKENS]
         run = compose(base + extra)
-        engine = FSDPEngine(run, device)
-        if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
-            engine.prepared_masks = False
-        if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step
-            o = run.actor.optim
-            engine.optimizer = torch.optim.AdamW(
-                engine.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True
-            )
-            engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+        engine = variant_engine(run, spec, device)
         batch = make_batch(engine, args.rows, args.response)
         if args.kl:
             batch.ref_logp = torch.zeros_like(batch.response_mask)
@@ -201,25 +231,7 @@ def main() -> None:
             gc.collect()  # PEFT and FSDP modules hold reference cycles: free the engine before the next
             if on_gpu:
                 torch.cuda.empty_cache()
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        synchronize()
-        t0 = time.perf_counter()
-        ppo_step(engine, batch, 100)
-        synchronize()
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    cuda_total = sum(e.self_device_time_total for e in events) / 1e6
-    result["profiled_wall_s"] = wall
-    result["profiled_kernel_s"] = cuda_total
-    text = [f"profiled update wall {wall:.3f} s, kernel time (sum of self device time) {cuda_total:.3f} s"]
-    text.append(events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
-    text.append(events.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
-    (out / f"update_profile_{args.shape}.txt").write_text("\n".join(text))
-    (out / f"update_profile_{args.shape}.json").write_text(json.dumps(result, indent=1))
-    print(text[0], flush=True)
+    profile_update(engine, batch, on_gpu, out / f"update_profile_{args.shape}", result)
     del reserve
     dist.destroy_process_group()
 

@@ -16,10 +16,10 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
 
 def test_seq_mean_token_sum_norm_divides_by_one_constant():
     loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
-    # sums 6 and 4, each / 4 (the norm length), mean over the 2 sequences: (1.5 + 1.0) / 2
-    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(1.25)
-    # with a global denominator (2 sequences over 1 rank): the same
-    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", denom=2.0, norm_len=4).item() == pytest.approx(1.25)
+    # sums 6 and 4 over both sequences, / 4 (the norm length), no mean over sequences: 10 / 4
+    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(2.5)
+    # with a global denominator (the constant / dp_size, here 1 rank): the same
+    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", denom=4.0, norm_len=4).item() == pytest.approx(2.5)
     # seq-mean-token-sum would favour neither length either, but does not divide: (6 + 4) / 2
     assert A.agg_loss(loss, MASK, "seq-mean-token-sum").item() == pytest.approx(5.0)
 
@@ -59,45 +59,6 @@ def test_vanilla_loss_unchanged_by_unit_weights():
     assert a.item() == b.item()
 
 
-def test_rollout_correction_by_hand():
-    # trainer (old) vs rollout log-probs: token ratios e^0.5, e^-1, 1 | e^2
-    old = torch.tensor([[0.5, -1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
-    rollout = torch.zeros(2, 4)
-    r = [math.exp(0.5), math.exp(-1.0), 1.0]
-    w, mask, m = A.rollout_correction(old, rollout, MASK, "token_tis", threshold=2.0)
-    m = {k: float(v) for k, v in m.items()}
-    torch.testing.assert_close(w[0, :3], torch.tensor([r[0], r[1], 1.0]))
-    assert w[1, 0].item() == pytest.approx(2.0)  # e^2 truncated at the threshold
-    assert torch.equal(mask, MASK)
-    # metrics: k3 = e^x - x - 1 averaged over the 4 kept tokens; the largest ratio; nothing masked
-    k3 = [math.exp(x) - x - 1 for x in (0.5, -1.0, 0.0, 2.0)]
-    assert m["kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
-    assert m["ratio_max"] == pytest.approx(math.exp(2.0), rel=1e-5)
-    assert m["masked_frac"] == 0.0
-
-    w, _, _ = A.rollout_correction(old, rollout, MASK, "seq_tis", threshold=2.0)
-    # seq 0: e^(0.5 - 1) = e^-0.5; seq 1: e^2 -> 2
-    assert w[0, 0].item() == pytest.approx(math.exp(-0.5), rel=1e-6) and w[1, 0].item() == pytest.approx(2.0)
-
-    _, mask, m = A.rollout_correction(old, rollout, MASK, "token_mask", threshold=2.0)
-    m = {k: float(v) for k, v in m.items()}
-    # band [0.5, 2]: e^-1 = 0.37 and e^2 = 7.4 leave it
-    assert mask.tolist() == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
-    assert m["masked_frac"] == pytest.approx(2 / 4)
-
-    _, mask, _ = A.rollout_correction(old, rollout, MASK, "seq_mask", threshold=2.0, lower=0.5)
-    # seq 0: e^-0.5 = 0.61 inside [0.5, 2]; seq 1: e^2 outside
-    assert mask.tolist() == [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
-
-    w, mask, m = A.rollout_correction(old, rollout, MASK, None)
-    assert w is None and torch.equal(mask, MASK) and m["kl"] > 0
-    # Nothing kept: no largest ratio, so 1 (no mismatch), and nothing masked.
-    _, _, m = A.rollout_correction(old, rollout, torch.zeros_like(MASK), "token_mask")
-    assert float(m["ratio_max"]) == 1.0 and float(m["masked_frac"]) == 0.0
-    with pytest.raises(ValueError, match="'tis'"):
-        A.rollout_correction(old, rollout, MASK, "tis")
-
-
 def test_overlong_penalty_and_group_filter():
     # max 100, buffer 20: free up to 80, then linear to -1 at 100
     assert A.overlong_penalty(80, 100, 20, 1.0) == 0.0
@@ -106,7 +67,10 @@ def test_overlong_penalty_and_group_filter():
     from lorarl.trainer import PromptGroup as Group
 
     groups = [Group(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
-    assert [g.has_signal for g in groups] == [False, True, False]
+    assert [g.has_signal() for g in groups] == [False, True, False]
+    # acc reads the reward function's values: equal scores, different overlong penalties
+    g = Group(None, [[1]] * 2, [[0.0]] * 2, [1.0, 0.5], scores=[1.0, 1.0], overlong=[0.0, -0.5])
+    assert g.has_signal("seq_final_reward") and not g.has_signal("acc")
 
 
 @pytest.mark.parametrize(
@@ -136,11 +100,66 @@ def test_algorithm_presets_compose(name, expect):
 
 
 def test_rollout_correction_config_is_checked():
-    with pytest.raises(ConfigError, match="algorithm.rollout_correction.mode"):
-        compose(["+backend=fsdp", "algorithm.rollout_correction.mode=tis"])
-    with pytest.raises(ConfigError, match="threshold"):
-        compose(["+backend=fsdp", "algorithm.rollout_correction.threshold=0.5"])
-    assert (
-        compose(["+backend=fsdp", "algorithm.rollout_correction.mode=seq_mask"]).algorithm.rollout_correction.mode
-        == "seq_mask"
-    )
+    key = "algorithm.rollout_correction"
+    with pytest.raises(ConfigError, match=f"{key}.rollout_is="):
+        compose(["+backend=fsdp", f"{key}.rollout_is=tis"])
+    with pytest.raises(ConfigError, match="rollout_is_threshold"):
+        compose(["+backend=fsdp", f"{key}.rollout_is_threshold=0.5"])
+    with pytest.raises(ConfigError, match="rollout_rs_threshold"):
+        compose(["+backend=fsdp", f"{key}.rollout_rs=seq_mean_k1"])
+    with pytest.raises(ConfigError, match="unknown option"):
+        compose(["+backend=fsdp", f"{key}.rollout_rs=seq_max_k1", f"{key}.rollout_rs_threshold=2"])
+    with pytest.raises(ConfigError, match="only k1 options take lower_upper"):
+        compose(["+backend=fsdp", f"{key}.rollout_rs=token_k3", f"{key}.rollout_rs_threshold=0.5_2.0"])
+    with pytest.raises(ConfigError, match="bypass_mode"):
+        compose(["+backend=fsdp", f"{key}.bypass_mode=true", f"{key}.rollout_is=token"])
+    run = compose(["+backend=fsdp", f"{key}.rollout_rs=seq_mean_k1", f"{key}.rollout_rs_threshold=1.001"])
+    assert run.algorithm.rollout_correction.rollout_rs_threshold == "1.001"
+
+
+def test_gspo_refuses_what_verl_does_not_define():
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        compose(["+backend=fsdp", "algorithm=gspo", "actor.clip_ratio_c=3.0"])
+    with pytest.raises(ConfigError, match="seq-mean-token-mean"):
+        compose(["+backend=fsdp", "algorithm=gspo", "actor.loss_agg_mode=token-mean"])
+
+
+def test_dapo_sampling_keys_are_checked():
+    assert compose(["+backend=fsdp", "algorithm=dapo"]).algorithm.filter_groups.metric == "acc"
+    with pytest.raises(ConfigError, match="filter_groups.metric"):
+        compose(["+backend=fsdp", "algorithm=dapo", "algorithm.filter_groups.metric=reward"])
+    with pytest.raises(ConfigError, match="gen_batch_size"):
+        compose(["+backend=fsdp", "data.gen_batch_size=64"])  # dynamic sampling is off
+    with pytest.raises(ConfigError, match="gen_batch_size"):
+        compose(["+backend=fsdp", "algorithm=dapo", "data.gen_batch_size=2"])
+    run = compose(["+backend=fsdp", "algorithm=dapo", "data.gen_batch_size=24", "algorithm.filter_groups.max_num_gen_batches=0"])  # fmt: skip
+    assert run.data.gen_batch_size == 24 and run.algorithm.filter_groups.max_num_gen_batches == 0
+
+
+def test_auto_importance_weights_are_token_tis_on_cuda_only():
+    from lorarl.rollout_correction import resolve_is_level
+
+    assert resolve_is_level("auto", "cuda", bypass_mode=False) == "token"
+    assert resolve_is_level("auto", "cpu", bypass_mode=False) is None  # the CPU default run is unchanged
+    assert resolve_is_level("auto", "cuda", bypass_mode=True) is None  # the ratio is pi / pi_rollout already
+    assert resolve_is_level("sequence", "cpu", bypass_mode=False) == "sequence"
+    assert compose(["+backend=fsdp"]).algorithm.rollout_correction.rollout_is == "auto"
+
+
+def test_rollout_correction_by_hand():
+    from lorarl import rollout_correction as RC
+
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    rollout = torch.zeros(1, 3)
+    # Sequence weights clamp the summed log-ratio: +25 and -24 sum to 1, so w = e^1 (per-token
+    # clamping at +-20 would have given e^0 = 1).
+    w, _, _ = RC.correct(torch.tensor([[25.0, -24.0, 0.0]]), rollout, mask, "sequence", 3.0)
+    assert w[0, :2].tolist() == pytest.approx([math.e, math.e]) and w[0, 2] == 0
+    # k1 bounds pi_rollout / pi_trainer: "0.5_4.0" keeps trainer/rollout ratios in [1/4, 2].
+    trainer = torch.tensor([[math.log(3.0), -math.log(3.0), 0.0]])
+    _, keep, m = RC.correct(trainer, rollout, mask, None, 2.0, RC.parse_rejection("token_k1", "0.5_4.0"))
+    assert keep.tolist() == [[0.0, 1.0, 0.0]]  # ratio 3 dropped, ratio 1/3 kept
+    assert float(m["rollout_rs_masked_fraction"]) == pytest.approx(0.5)
+    # kl is k1: mean(log pi_rollout - log pi_trainer) = -(ln 3 - ln 3) / 2 = 0; k3_kl its k3.
+    assert float(m["kl"]) == pytest.approx(0.0, abs=1e-7)
+    assert float(m["k3_kl"]) == pytest.approx(((3 - math.log(3) - 1) + (1 / 3 + math.log(3) - 1)) / 2, rel=1e-6)

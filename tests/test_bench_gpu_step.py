@@ -12,30 +12,86 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_step import param_count, plan, select
+from bench.host_state import Sampler, host_state, nvidia_smi, slowdown_s
+from bench.step_plan import (
+    CORRECTIONS,
+    GPU_WORK,
+    SHAPE_RUNS,
+    TRL,
+    TRL_IS_MODE,
+    Arm,
+    Pair,
+    Run,
+    estimate_wall_s,
+    lorarl_arms,
+    plan,
+    repeat_groups,
+    select,
+    trl_correction_args,
+)
+from bench.step_report import markdown
+from bench.step_rows import lorarl_steps, pairs, param_count, step_row, trl_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_plan_puts_the_most_important_runs_first():
-    runs = plan(["0.5b", "7b"], [False, True], ["adapter", "merged"], ["lorarl", "trl"])
+def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
+    pairs = [Pair("0.5b", False, "none"), Pair("7b", True, "token_tis")]
+    runs = plan(pairs, [*lorarl_arms(["fsdp"], ["adapter"]), TRL], repeats=2)
     assert [r.name for r in runs] == [
-        "lorarl-0.5b-adapter-kloff",
-        "trl-0.5b-merged-kloff",
-        "lorarl-7b-adapter-kloff",
-        "trl-7b-merged-kloff",
-        "lorarl-0.5b-adapter-klon",
-        "trl-0.5b-merged-klon",
-        "lorarl-7b-adapter-klon",
-        "trl-7b-merged-klon",
-        "lorarl-0.5b-merged-kloff",
-        "lorarl-7b-merged-kloff",
-        "lorarl-0.5b-merged-klon",
-        "lorarl-7b-merged-klon",
+        "lorarl-fsdp-adapter-0.5b-kloff-none-r1",
+        "trl-0.5b-kloff-none-r1",
+        "lorarl-fsdp-adapter-0.5b-kloff-none-r2",
+        "trl-0.5b-kloff-none-r2",
+        "lorarl-fsdp-adapter-7b-klon-token_tis-r1",
+        "trl-7b-klon-token_tis-r1",
+        "lorarl-fsdp-adapter-7b-klon-token_tis-r2",
+        "trl-7b-klon-token_tis-r2",
     ]
-    assert [r.name for r in select(runs, "trl-*-kloff")] == ["trl-0.5b-merged-kloff", "trl-7b-merged-kloff"]
+    # An earlier command's repeats: this one goes on from them, and the budget starts whole repeats.
+    done = {"lorarl-fsdp-adapter-0.5b-kloff-none": 2, "trl-0.5b-kloff-none": 1}
+    later = plan(pairs[:1], [*lorarl_arms(["fsdp"], ["adapter"]), TRL], repeats=1, done=done)
+    assert [r.name for r in later] == ["lorarl-fsdp-adapter-0.5b-kloff-none-r3", "trl-0.5b-kloff-none-r2"]
+    assert [len(g) for g in repeat_groups(runs)] == [2, 2, 2, 2]
+    # A repeat's expected wall: the table until this command has run that arm at that shape.
+    first = repeat_groups(runs)[0]
+    assert [estimate_wall_s(r, {}) for r in first] == [125, 60]
+    assert estimate_wall_s(first[1], {("trl", "0.5b"): 48.0}) == 48.0
+    assert [r.name for r in select(runs, "trl-*-r1")] == ["trl-0.5b-kloff-none-r1", "trl-7b-klon-token_tis-r1"]
     with pytest.raises(SystemExit, match="matches no planned run"):
         select(runs, "lorarl-3b-*")
+    # Megatron syncs adapters only; FSDP takes both modes.
+    assert [a.name for a in lorarl_arms(["fsdp", "megatron"], ["adapter", "merged"])] == [
+        "lorarl-fsdp-adapter",
+        "lorarl-fsdp-merged",
+        "lorarl-megatron-adapter",
+    ]
+
+
+def test_trl_runs_lorarls_correction():
+    assert trl_correction_args("none", 2.0, None) == ["--vllm-is-correction", "off"]
+    tis = trl_correction_args("token_tis", 2.0, None)
+    assert tis == ["--vllm-is-correction", "on", "--vllm-is-mode", "token_truncate", "--vllm-is-clip-max", "2.0"]
+    assert trl_correction_args("seq_mask", 4.0, None)[3:] == [
+        "sequence_mask", "--vllm-is-clip-max", "4.0", "--vllm-is-clip-min", "0.25",
+    ]  # fmt: skip
+    assert trl_correction_args("token_mask", 2.0, 0.1)[-1] == "0.1"
+    assert set(TRL_IS_MODE) == set(CORRECTIONS) - {"none"}
+
+
+def test_trl_worker_builds_the_grpo_config_of_each_correction(tmp_path):
+    pytest.importorskip("trl")
+    from bench.trl_grpo_worker import grpo_config, parse_args
+
+    base = ["--model", "m", "--train-parquet", "p", "--out", str(tmp_path / "o.json"), "--prompts", "4", "--n", "4"]
+    off = grpo_config(parse_args([*base, *trl_correction_args("none", 2.0, None)]))
+    assert off.vllm_importance_sampling_correction is False
+    for correction, mode in TRL_IS_MODE.items():
+        cfg = grpo_config(parse_args([*base, "--micro-batch", "4", *trl_correction_args(correction, 2.0, None)]))
+        assert cfg.vllm_importance_sampling_correction is True
+        assert (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max) == (mode, 2.0)
+        assert cfg.vllm_importance_sampling_clip_min == (0.5 if mode.endswith("mask") else None)
+        assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (4, 4)
 
 
 def test_param_count_matches_the_saved_model(tiny_model_path):
@@ -46,26 +102,123 @@ def test_param_count_matches_the_saved_model(tiny_model_path):
 
 
 def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
-    name = "lorarl-tiny-adapter-kloff"
-    cmd = [sys.executable, "-m", "bench.gpu_step", "--cpu-smoke", "--only", name]
-    cmd += ["--cache", str(run_cache), "--out-dir", str(tmp_path), "--stem", "smoke"]
+    name = "lorarl-fsdp-adapter-tiny-kloff-token_tis-r1"
+    cmd = [sys.executable, "-m", "bench.gpu_step", "--cpu-smoke", "--kl", "off", "--corrections", "token_tis"]
+    cmd += ["--repeats", "1", "--systems", "lorarl", "--cache", str(run_cache), "--out-dir", str(tmp_path)]
+    cmd += ["--stem", "smoke"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"[gpu_step] {name}: step" in proc.stdout
     result = json.loads((tmp_path / "smoke.json").read_text())
     (row,) = result["step_compare"]
     assert (row["system"], row["shape"], row["kl"], row["mode"]) == ("lorarl", "tiny", False, "adapter")
+    assert (row["correction"], row["repeat"], row["order"], row["backend"]) == ("token_tis", 1, 1, "fsdp")
     assert len(row["steps_s"]) == 4 and row["step_s"] > 0
     assert row["step_s"] == pytest.approx(statistics.median(row["steps_s"][2:]))  # steps 3+
-    # 4 prompts x 4 samples: prompt tokens from lorarl's loader, responses of at most 16 tokens.
+    # 4 prompts x 4 samples: prompt tokens from the trainer's loader, responses of at most 16 tokens.
     assert len(row["prompt_tokens_per_step"]) == 4 and all(t > 0 for t in row["prompt_tokens_per_step"])
     prompt = row["prompt_tokens_per_step"]
     assert min(prompt) < row["tokens_per_step"] <= max(prompt) + 16 * 16
     b = row["breakdown"]
-    assert {"timing/gen", "timing/update", "timing/sync", "sync/seconds", "timing/old_logp"} <= set(b)
-    assert b["timing/old_logp"] == 0.0 and "timing/ref_logp" in b  # absent (on-policy, no KL) reads 0
+    assert set(b) == {"gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s"}
+    assert b["logp_s"] == 0.0 and b["update_s"] > 0  # on-policy, no KL: the correction needs no extra pass
     assert 0 < row["mfu_update"] < row["mfu_update_hw"]
-    assert "recipes.grpo +backend=fsdp" in row["command"] and "actor.use_kl_loss=false" in row["command"]
+    assert "recipes.grpo +backend=fsdp" in row["command"]
+    assert (
+        "actor.use_kl_loss=false" in row["command"] and "algorithm.rollout_correction.mode=token_tis" in row["command"]
+    )
+    # What the machine did: host state before and after, the CPU sampled during the run (no GPU here).
+    assert row["before"]["loadavg_1m"] >= 0 and row["after"]["mem_available_gib"] > 0
+    assert row["during"]["samples"] > 0 and row["during"]["cpu_busy"]["n"] > 0
     assert "error" not in row
+    (pair,) = result["pairs"]  # lorarl alone: the pair is there, with no TRL side
+    assert (pair["correction"], pair["repeats"], pair["trl_step_s"]) == ("token_tis", [1], None)
     assert (tmp_path / "smoke.md").read_text().count(name) >= 2
+
+
+def _metrics(step: int, step_s: float, update_s: float) -> dict:
+    # One step of lorarl's metrics.jsonl, as the trainer writes it (KL off, on-policy: no log-prob passes).
+    return {"step": step, "timing/step": step_s, "timing/gen": 0.5, "timing/update": update_s,
+            "timing/sync": 0.1, "response_length/mean": 128.0}  # fmt: skip
+
+
+def _trl_step(step_s: float, update_s: float) -> dict:
+    # One step of bench.trl_grpo_worker's output.
+    return {"step_s": step_s, "generation_s": 1.0, "sync_s": 0.2, "logp_s": 0.3, "update_s": update_s,
+            "prompt_tokens": 5600, "completion_tokens": 32768, "completions": 256}  # fmt: skip
+
+
+def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
+    n_params = 494_000_000
+    rows = []
+    for repeat, (ours, theirs) in enumerate([(2.0, 3.0), (2.5, 3.5), (1.9, 3.1)], start=1):
+        steps = lorarl_steps([_metrics(s, ours, 0.6) for s in range(1, 7)], [5600] * 6, completions=256)
+        row = step_row(steps, n_params)
+        assert steps[0]["other_s"] == pytest.approx(ours - 0.5 - 0.6 - 0.1)
+        assert row["tokens_per_step"] == 5600 + 128 * 256
+        rows.append({"run": f"lorarl-r{repeat}", "system": "lorarl", "arm": "lorarl-fsdp-adapter", "shape": "0.5b", "kl": False,
+                     "correction": "none", "repeat": repeat, **row})  # fmt: skip
+        trl = step_row(trl_steps({"steps": [_trl_step(theirs, 0.7)] * 6}), n_params)
+        assert trl["breakdown"]["other_s"] == pytest.approx(theirs - 1.0 - 0.2 - 0.3 - 0.7)
+        rows.append({"run": f"trl-r{repeat}", "system": "trl", "arm": "trl", "shape": "0.5b", "kl": False, "correction": "none",
+                     "repeat": repeat, **trl})  # fmt: skip
+    # A TRL run with its correction on is another algorithm: it is not paired with these.
+    rows.append({**rows[-1], "correction": "seq_mask", "repeat": 1})
+    rows.append({**rows[0], "error": "exit 1", "repeat": 4})  # failed runs do not count
+    (uncorrected,) = pairs(rows)  # the corrected TRL run has no lorarl run to pair with
+    assert (uncorrected["correction"], uncorrected["repeats"], uncorrected["trl_repeats"]) == (
+        "none",
+        [1, 2, 3],
+        [1, 2, 3],
+    )
+    assert uncorrected["lorarl_step_s"] == {"median": 2.0, "min": 1.9, "max": 2.5, "n": 3}
+    assert uncorrected["speedup"] == pytest.approx(3.1 / 2.0)
+    assert uncorrected["speedup_each"] == pytest.approx([1.5, 1.4, 3.1 / 1.9])
+    assert uncorrected["lorarl_mfu_update"]["median"] == pytest.approx(
+        4 * n_params * (5600 + 128 * 256) / (0.6 * 989e12)
+    )
+    assert uncorrected["targets"]["step_s"] == {"want": 1.4, "got": 2.0, "met": False}
+    assert uncorrected["targets"]["speedup"]["met"] is False
+    spread = uncorrected["variance"]["lorarl"]
+    assert spread["spread_pct"] == pytest.approx((2.5 - 1.9) / 2.0)
+    assert (spread["fastest"]["repeat"], spread["slowest"]["repeat"]) == (3, 2)
+    assert spread["slowest"]["update_s"] == pytest.approx(0.6) and spread["slowest"]["sm_clock_mhz"] is None
+    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [uncorrected],
+                       "step_compare": rows})  # fmt: skip
+    assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
+    assert "slowest (r2, #-)" in report
+    for table in report.split("\n## ")[1:3]:  # every row of the pair and variance tables has the header's columns
+        lines = [line for line in table.splitlines() if line.startswith("|")]
+        assert len(lines) > 2 and {line.count("|") for line in lines} == {lines[0].count("|")}
+
+
+def test_the_sampler_records_the_host_during_a_run():
+    with Sampler(interval_s=0.2, gpu=False) as sampler:
+        sum(i * i for i in range(3_000_000))  # some CPU work to see
+    summary = sampler.summary()
+    assert summary["samples"] >= 1
+    assert 0.0 <= summary["cpu_busy"]["min"] <= summary["cpu_busy"]["max"] <= 1.0
+    counters = [f"clocks_event_reasons_counters.{c}" for c in ("sw_power_cap", "sw_thermal_slowdown")]
+    before = {"slowdown_us": {counters[0]: 1_000_000.0, counters[1]: 0.0}}
+    after = {"slowdown_us": {counters[0]: 3_500_000.0, counters[1]: 0.0}}
+    assert slowdown_s(before, after) == {"sw_power_cap": 2.5, "sw_thermal_slowdown": 0.0}
+    assert slowdown_s({"slowdown_us": None}, after) is None  # no nvidia-smi: nothing to difference
+    state = host_state()
+    assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
+    assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_path):
+    from bench.step_launch import compose_run, lorarl_overrides, trl_args
+
+    pair = Pair("7b", True, "seq_mask")
+    run = Run(Arm("lorarl", backend, "adapter"), pair, 1)
+    overrides = lorarl_overrides(run, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "model", False, None)
+    cfg = compose_run(backend, [*overrides, "algorithm.rollout_correction.threshold=4.0"], tmp_path)
+    assert (cfg.algorithm.rollout_correction.mode, cfg.actor.use_kl_loss) == ("seq_mask", True)
+    args = trl_args(Run(TRL, pair, 1), cfg, GPU_WORK, tmp_path / "model", tmp_path / "d", tmp_path / "o.json", False)
+    assert args[args.index("--vllm-is-mode") + 1] == "sequence_mask"
+    assert args[args.index("--vllm-is-clip-min") + 1] == "0.25" and args[args.index("--beta") + 1] == "0.001"
+    assert args[args.index("--micro-batch") + 1] == "16"  # the 7B preset's 4096-token budget / 192 tokens, as 2^k

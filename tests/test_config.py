@@ -121,7 +121,8 @@ def test_qwen_model_presets_are_the_shared_base_plus_size_dependent_keys(model):
     activation checkpointing; how it trains sits in conf/tuning/model/<model>.yaml."""
     body = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert list(body.pop("defaults")) == ["/model_base/qwen_lora", "_self_"]
-    assert set(_flat(OmegaConf.to_container(body))) <= {"model.path", "model.enable_gradient_checkpointing"}
+    keys = set(_flat(OmegaConf.to_container(body)))
+    assert {k for k in keys if not k.startswith("model.lora.")} <= {"model.path", "model.enable_gradient_checkpointing"}
     tuning = OmegaConf.load(CONF / "tuning" / "model" / f"{model}.yaml")
     assert list(tuning.pop("defaults")) == ["qwen_lora", "_self_"]
     assert set(_flat(OmegaConf.to_container(tuning))) == {"actor.optim.lr", "actor.ppo_max_token_len_per_gpu"}
@@ -403,7 +404,10 @@ def test_megatron_checks(hydra_compose):
         )
     with pytest.raises(ConfigError, match="mbridge"):
         to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
-    run = to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
+    mbridge = ["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]
+    with pytest.raises(ConfigError, match="mbridge maps TransformerEngine layer names only"):
+        to_run_config(hydra_compose(mbridge))
+    run = to_run_config(hydra_compose([*mbridge, "backend.transformer_impl=transformer_engine"]))
     assert run.model.lora.merge
     # Tensor-parallel ranks share a replica: batch sizes divide over replicas, not devices.
     run = to_run_config(

@@ -251,3 +251,23 @@ def test_arith_held_out_pairs_are_never_in_the_warmup():
     }
     assert drawn <= {(question(a, b), str(a + b)) for a, b in warm}
     assert {r["prompt"][0]["content"] for r in held_out_rows()} == {question(a, b) for a, b in held}
+
+
+def test_prompt_batches_are_the_trainers_batches(tokenizer, tmp_path):
+    from types import SimpleNamespace
+
+    from lorarl.data.batches import prompt_batches
+
+    train, val = ensure_arith_parquet(tmp_path / "train.parquet", tmp_path / "val.parquet", n_train=40, seed=0)
+    data = SimpleNamespace(
+        train_files=[train], val_files=[val], max_prompt_length=64, filter_overlong_prompts=True,
+        truncation="error", train_batch_size=8, shuffle=True,
+    )  # fmt: skip
+    loader, val_items, dropped = prompt_batches(data, tokenizer, seed=3, validation=False)
+    assert (len(loader.items), val_items, dropped) == (40, [], 0)
+    items, _ = build_prompts(load_rows([train]), tokenizer, 64, True)
+    expected = PromptLoader(items, 8, shuffle=True, seed=3)
+    for _ in range(6):  # past the first epoch's 5 batches: the reshuffle follows the seed too
+        assert [i.index for i in loader.next_batch()] == [i.index for i in expected.next_batch()]
+    _, val_items, _ = prompt_batches(data, tokenizer, seed=3, validation=True)
+    assert [i.index for i in val_items] == list(range(len(load_rows([val]))))

@@ -228,13 +228,27 @@ def test_workers_get_the_launchers_communication_settings(monkeypatch):
     assert "LORARL_UNRELATED" not in env and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+RC = "algorithm.rollout_correction"
+
+
 @pytest.mark.parametrize(
     "algorithm,extra",
     [
-        ("dapo", []),
+        # token TIS combined with geometric-mean sequence rejection (verl's recommended preset);
+        # oversampled rounds of 24 prompts for 16, as many rounds as it takes
+        (
+            "dapo",
+            [
+                f"{RC}.rollout_is=token",
+                f"{RC}.rollout_rs=seq_mean_k1",
+                f"{RC}.rollout_rs_threshold=1.001",
+                "data.gen_batch_size=24",
+                "algorithm.filter_groups.max_num_gen_batches=0",
+            ],
+        ),  # fmt: skip
         ("dr_grpo", []),
         # below 1, the sampler's log-probs must still be at the trainer's temperature (ratio ~1)
-        ("gspo", ["algorithm.rollout_correction.mode=token_tis", "rollout.temperature=0.8"]),
+        ("gspo", [f"{RC}.rollout_is=token", "rollout.temperature=0.8"]),
     ],
 )
 def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
@@ -248,11 +262,15 @@ def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.03, f"{algorithm}: reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
-    for key in ("rollout_corr/kl", "rollout_corr/ratio_max", "rollout_corr/masked_frac"):
-        assert key in rows[0], key
-    assert all(r["rollout_corr/ratio_max"] < 1.01 for r in rows)  # fp32 on CPU: sampler and trainer agree
+    for key in ("kl", "k3_kl", "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size", "chi2_token"):
+        assert f"rollout_corr/{key}" in rows[0], key
+    # fp32 on CPU: sampler and trainer agree
+    assert all(r["rollout_corr/rollout_is_max"] < 1.01 and abs(r["rollout_corr/kl"]) < 1e-3 for r in rows)
     assert ("actor/kl_loss" in rows[0]) is False  # no KL term in these variants
-    assert "timing/old_logp" not in rows[0]  # on-policy: no separate old-log-prob pass
+    # On-policy: no separate old-log-prob pass, except that rejection needs the trainer's log-probs
+    # before the loss is normalised.
+    assert ("timing/old_logp" in rows[0]) is (algorithm == "dapo")
     if algorithm == "dapo":
-        assert all(1 <= r["data/gen_rounds"] <= 4 for r in rows)
+        assert all(r["rollout_corr/rollout_rs_masked_fraction"] < 0.01 for r in rows)
+        assert all(r["data/gen_rounds"] >= 1 for r in rows) and "reward/overlong" in rows[0]
         assert all(0.0 < r["data/groups_with_signal"] <= 1.0 for r in rows)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.config import LoraConfig, MegatronBackendConfig, check_model_shape, compose, load_group, validate
+from lorarl.config import LoraConfig, MegatronBackendConfig, check_model_shape, compose, load_group
 from lorarl.engines.megatron import config_map as C
 from lorarl.errors import ConfigError
+from tests.megatron_checks import check_megatron
 from tests.megatron_source import Sources, sources_or_skip
 
 
@@ -33,38 +34,13 @@ def lora(**kw):
         "type": "lora",
         "init_A": "kaiming",
         "merge": False,
+        "target_parameters": [],
     }
     return LoraConfig(**{**base, **kw})
 
 
 def backend(**kw):
     return dataclasses.replace(load_group(MegatronBackendConfig, "backend/megatron"), **kw)
-
-
-def check_megatron(
-    lora_cfg,
-    backend_cfg,
-    *,
-    num_layers=None,
-    num_attention_heads=None,
-    num_key_value_heads=None,
-    vocab_size=None,
-    world_size=None,
-):
-    """The Megatron checks as a run gets them: each group's own (lorarl.schema), the cross-group
-    ones (lorarl.config.validate), then the model's shape (lorarl.config.check_model_shape)."""
-    base = compose(["+backend=megatron"])
-    devices = world_size or max(1, backend_cfg.model_parallel_size())
-    run = dataclasses.replace(
-        base,
-        model=dataclasses.replace(base.model, lora=lora_cfg),
-        backend=backend_cfg,
-        trainer=dataclasses.replace(base.trainer, n_gpus_per_node=devices),
-    )
-    validate(run)
-    if num_attention_heads or num_key_value_heads or num_layers or vocab_size:
-        heads = num_attention_heads or 16
-        check_model_shape(run, heads, num_key_value_heads or heads, num_layers=num_layers, vocab_size=vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import lorarl.engines.megatron as pkg
 from tests.megatron_source import Sources, _signature, sources_or_skip
 
 PKG = Path(pkg.__file__).parent
-FILES = ["engine.py", "bridge.py", "config_map.py", "te_standin.py"]
+FILES = ["engine.py", "bridge.py", "config_map.py", "te_standin.py", "merged_view.py", "experts.py"]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from lorarl.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.config import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
-from lorarl.ppo import is_on_policy
+from lorarl.ppo import Correction, is_on_policy, needs_old_logp
 from lorarl.ppo import ppo_update as run_ppo_update
 from lorarl.trainer import sampling_of
 
@@ -73,7 +73,8 @@ def test_engines_implement_the_protocol():
 
 def ppo_update(policy, batch, step: int, run):
     """The update as the worker calls it, with the run's sampling facts and actor settings."""
-    return run_ppo_update(policy, batch, step, sampling_of(run), run.actor, run.algorithm.rollout_correction)
+    correction = Correction.of(run.algorithm.rollout_correction, run.trainer.device)
+    return run_ppo_update(policy, batch, step, sampling_of(run), run.actor, correction)
 
 
 def batch_of(lengths: list[int], seed: int = 1):
@@ -207,3 +208,159 @@ def test_micro_batch_plans():
     assert len(more) == len(groups) + 1 and sorted(i for g in more for i in g) == list(range(5))
     with pytest.raises(ValueError):
         split_to([[0]], 2, [5])
+
+
+def _with_rollout(batch, reject_rows=(), reject_tokens=()):
+    """The batch with the trainer's log-probs (old_logp) and sampler log-probs equal to them except
+    where a row or (row, column) is to be rejected: there the sampler is 5 nats more confident."""
+    with torch.no_grad():
+        batch.old_logp = TablePolicy().logp(batch.input_ids)
+    rollout = batch.old_logp.clone()
+    for r in reject_rows:
+        rollout[r] += 5.0 * batch.response_mask[r]
+    for r, c in reject_tokens:
+        rollout[r, c] += 5.0
+    batch.rollout_logp = rollout
+    return batch
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_masked_step_trains_at_full_strength(agg):
+    """Rejecting tokens or sequences gives the gradient of the step on what survives: the loss,
+    its KL and entropy terms are divided by the surviving count (as verl rewrites the mask first),
+    not by the count before rejection."""
+    key = "algorithm.rollout_correction"
+    kl = {"use_kl_loss": "true", "kl_loss_type": "low_var_kl", "entropy_coeff": 0.01}
+    rejected = _with_rollout(batch_of(LENGTHS), reject_rows=(1, 3, 5, 7))  # half the sequences
+    ref = torch.randn(rejected.old_logp.shape, generator=torch.Generator().manual_seed(3)) * 0.1
+    rejected.ref_logp = rejected.old_logp + ref
+    run = run_with(micro_rows=2, agg=agg, **kl)
+    run_rs = compose(
+        ["+backend=fsdp", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+         "actor.ppo_micro_batch_size_per_gpu=2", f"actor.loss_agg_mode={agg}", "actor.use_kl_loss=true",
+         "actor.entropy_coeff=0.01", f"{key}.rollout_rs=seq_sum_k1", f"{key}.rollout_rs_threshold=2.0",
+         f"{key}.rollout_is=null"]
+    )  # fmt: skip
+    policy = TablePolicy()
+    metrics = ppo_update(policy, rejected, step=1, run=run_rs)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
+        float(batch_of(LENGTHS).response_mask[[1, 3, 5, 7]].sum() / batch_of(LENGTHS).response_mask.sum())
+    )
+    kept = [0, 2, 4, 6]
+    survivors = _with_rollout(batch_of(LENGTHS)).select(kept)
+    survivors.ref_logp = rejected.ref_logp[kept]
+    survivors.rollout_logp = None
+    plain = TablePolicy()
+    # The survivors alone: 4 of the 8 sequences, one mini-batch of them.
+    ppo_update(plain, survivors, step=1, run=run)
+    torch.testing.assert_close(policy.grads[0], plain.grads[0], atol=1e-6, rtol=1e-5)
+    assert policy.grads[0].abs().sum() > 0
+
+    # Token rejection: the same gradient as the step with those tokens out of the mask.
+    tokens = [(0, c) for c in range(rejected.response_mask.shape[1]) if rejected.response_mask[0, c]][:1]
+    tokens += [(5, c) for c in range(rejected.response_mask.shape[1]) if rejected.response_mask[5, c]][:3]
+    tok = _with_rollout(batch_of(LENGTHS), reject_tokens=tokens)
+    tok_run = compose([*_overrides(agg), f"{key}.rollout_rs=token_k1", f"{key}.rollout_rs_threshold=2.0"])
+    a = TablePolicy()
+    ppo_update(a, tok, step=1, run=tok_run)
+    masked = _with_rollout(batch_of(LENGTHS))
+    for r, c in tokens:
+        masked.response_mask[r, c] = 0.0
+    masked.rollout_logp = None
+    b = TablePolicy()
+    ppo_update(b, masked, step=1, run=compose(_overrides(agg)))
+    torch.testing.assert_close(a.grads[0], b.grads[0], atol=1e-6, rtol=1e-5)
+
+
+def _overrides(agg: str, micro_rows: int = 2) -> list[str]:
+    return ["+backend=fsdp", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+            f"actor.ppo_micro_batch_size_per_gpu={micro_rows}", f"actor.loss_agg_mode={agg}",
+            "actor.use_kl_loss=false"]  # fmt: skip
+
+
+def test_token_tis_on_policy_uses_the_update_forward():
+    """Token TIS on the on-policy path needs no old-log-prob pass: the weights come from the
+    update's own forward (detached), and give the gradient of the loss weighted by hand."""
+    key = "algorithm.rollout_correction"
+    # One micro-batch, so the logged means are over the whole batch.
+    run = compose([*_overrides("token-mean", 8), f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0"])
+
+    assert not needs_old_logp(
+        run.actor, run.data.train_batch_size, Correction.of(run.algorithm.rollout_correction, run.trainer.device)
+    )
+    batch = batch_of(LENGTHS)
+    with torch.no_grad():
+        trainer = TablePolicy().logp(batch.input_ids)
+    noise = torch.randn(trainer.shape, generator=torch.Generator().manual_seed(5))
+    batch.rollout_logp = trainer + noise  # ratios exp(-noise): some truncated at 2
+    policy = TablePolicy()
+    metrics = ppo_update(policy, batch, step=1, run=run)
+    W = TablePolicy().W.detach().clone().requires_grad_(True)
+    ref = TablePolicy()
+    ref.W = W
+    logp = ref.logp(batch.input_ids)
+    mask = batch.response_mask
+    w = torch.exp(-noise).clamp(max=2.0)
+    loss = -(batch.advantages[:, None] * w * torch.exp(logp - logp.detach()) * mask).sum() / mask.sum()
+    loss.backward()
+    torch.testing.assert_close(policy.grads[0], W.grad, atol=1e-6, rtol=1e-5)
+    keep = mask.bool()
+    assert metrics["rollout_corr/kl"] == pytest.approx(float(noise[keep].mean()), rel=1e-4)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(float(torch.exp(-noise)[keep].max()), rel=1e-5)
+
+
+def test_dr_grpo_sums_over_sequences_and_divides_by_the_constant():
+    """seq-mean-token-sum-norm: the mini-batch's sum over sequences and tokens / loss_scale_factor,
+    whatever the micro-batching (no mean over sequences)."""
+    grads = []
+    for rows in (8, 1, 2):
+        policy = TablePolicy()
+        overrides = [*_overrides("seq-mean-token-sum-norm", rows), "actor.loss_scale_factor=16"]
+        ppo_update(policy, batch_of(LENGTHS), step=1, run=compose(overrides))
+        grads.append(policy.grads[0])
+    W = TablePolicy().W.detach().clone().requires_grad_(True)
+    ref = TablePolicy()
+    ref.W = W
+    batch = batch_of(LENGTHS)
+    logp = ref.logp(batch.input_ids)
+    loss = -(batch.advantages[:, None] * torch.exp(logp - logp.detach()) * batch.response_mask).sum() / 16
+    loss.backward()
+    for g in grads:
+        torch.testing.assert_close(g, W.grad, atol=1e-6, rtol=1e-5)
+
+
+def _hand_gradient(batch, per_token):
+    """The gradient of sum(per_token(logp) * mask) / mask.sum() at a fresh TablePolicy's weights."""
+    ref = TablePolicy()
+    ref.W = ref.W.detach().clone().requires_grad_(True)
+    logp = ref.logp(batch.input_ids)
+    (per_token(logp) * batch.response_mask).sum().div(batch.response_mask.sum()).backward()
+    return ref.W.grad
+
+
+def test_batch_normalised_weights_and_bypass_mode():
+    key = "algorithm.rollout_correction"
+    batch = _with_rollout(batch_of(LENGTHS))
+    noise = torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(9)) * 0.5
+    batch.rollout_logp = batch.old_logp + noise
+    adv = batch.advantages[:, None]
+    # Token weights divided by their mean over the batch's tokens (computed before the update).
+    run = compose([*_overrides("token-mean"), f"{key}.rollout_is=token", f"{key}.rollout_is_batch_normalize=true"])
+    policy = TablePolicy()
+    metrics = ppo_update(policy, batch, step=1, run=run)
+    w = torch.exp(-noise).clamp(max=2.0)
+    mean = float((w * batch.response_mask).sum() / batch.response_mask.sum())
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean, rel=1e-5)
+    expect = _hand_gradient(batch, lambda lp: -adv * (w / mean) * torch.exp(lp - lp.detach()))
+    torch.testing.assert_close(policy.grads[0], expect, atol=1e-6, rtol=1e-5)
+    # Bypass: pi_old is the sampler's, so the PPO ratio pi / pi_rollout is clipped at 1 -+ 0.2.
+    run = compose([*_overrides("token-mean"), f"{key}.rollout_is=null", f"{key}.bypass_mode=true"])
+    batch.old_logp = None
+    policy = TablePolicy()
+    ppo_update(policy, batch, step=1, run=run)
+
+    def clipped(lp):
+        r = torch.exp(lp - batch.rollout_logp)
+        return torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
+
+    torch.testing.assert_close(policy.grads[0], _hand_gradient(batch, clipped), atol=1e-6, rtol=1e-5)

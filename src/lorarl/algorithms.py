@@ -11,11 +11,14 @@ from torch.utils.checkpoint import checkpoint
 
 # The names the config accepts (checked there, once, with the key's name); a name outside them
 # reaching these functions is a caller's bug, a ValueError.
-from lorarl.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+from lorarl.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
 # turns into NaN gradients even where a later clamp hides the value.
 _MAX_LOG_RATIO = 20.0
+# GSPO's sequence log-ratio is capped above at 10 (no gradient past it), as verl does; below, exp()
+# only underflows to 0.
+_GSPO_MAX_LOG_RATIO = 10.0
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -219,31 +222,32 @@ def agg_loss(
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over the tokens mask keeps.
 
-    Without `denom` the mean is over this tensor alone. With it, the sum over kept tokens
-    (token-mean) or over per-sequence values (seq-* modes) is divided by `denom`: the caller
-    passes the count of the whole mini-batch (every micro-batch, every data-parallel rank)
-    divided by the data-parallel size, so that micro-batches of any size add up, after the
-    gradient average over ranks, to the mean over the mini-batch. Sequence modes count only
-    sequences with at least one kept token, so fully-masked padding rows dilute nothing.
-    seq-mean-token-sum-norm (Dr. GRPO) divides each sequence's token sum by one constant,
-    `norm_len` (the maximum response length; default T), so no length is favoured.
+    Without `denom` the reduction is over this tensor alone. With it, the sum over kept tokens
+    (token-mean, seq-mean-token-sum-norm) or over per-sequence values (the other seq-* modes) is
+    divided by `denom`: the caller passes the whole mini-batch's count (every micro-batch, every
+    data-parallel rank) divided by the data-parallel size, so that micro-batches of any size add
+    up, after the gradient average over ranks, to the value of the mini-batch as one. Sequence
+    modes count only sequences with a kept token, so fully-masked rows dilute nothing.
+    seq-mean-token-sum-norm (Dr. GRPO) is the sum over sequences and tokens divided by one
+    constant (`norm_len`, verl's loss_scale_factor; default T): no mean over sequences.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask) if denom is None else masked_sum(loss_mat, mask) / denom
+    if mode == "seq-mean-token-sum-norm":
+        return masked_sum(loss_mat, mask) / (float(norm_len or loss_mat.shape[-1]) if denom is None else denom)
     if mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
         per_seq = masked_sum(loss_mat, mask, dim=-1)
-        if mode == "seq-mean-token-sum-norm":
-            per_seq = per_seq / float(norm_len or loss_mat.shape[-1])
     has_tokens = mask.bool().any(dim=-1)
     return masked_mean(per_seq, has_tokens) if denom is None else masked_sum(per_seq, has_tokens) / denom
 
 
 def agg_count(mask: torch.Tensor, mode: str) -> int:
-    """What agg_loss divides by for `mode`: kept tokens, or sequences with a kept token."""
+    """What agg_loss divides by for `mode`: kept tokens, or sequences with a kept token (not
+    used by seq-mean-token-sum-norm, whose divisor is a constant)."""
     return int(mask.bool().sum()) if mode == "token-mean" else int(mask.bool().any(dim=-1).sum())
 
 
@@ -264,12 +268,14 @@ def policy_loss(
     """PPO-clip surrogate loss (optionally dual-clip) and its diagnostics.
 
     advantages may be per sequence [B] (GRPO outcome reward) or per token [B, T].
-    mode "vanilla": the per-token ratio pi/pi_old. mode "gspo": one ratio per sequence, the
-    length-normalised exp(mean_t log(pi/pi_old)), clipped as a whole; each token carries it
-    with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it.
+    mode "vanilla": the per-token ratio pi/pi_old, its log clamped to +-20. mode "gspo": one ratio
+    per sequence, the length-normalised exp(mean_t log(pi/pi_old)), clipped as a whole; each token
+    carries it with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it; its log
+    is capped at 10 from above (no gradient past the cap), and it takes no dual clip and only
+    seq-mean-token-mean (lorarl.schema.ActorConfig checks it), as in verl.
     `weights` [B, T] (detached; e.g. rollout-mismatch importance weights) multiply the per-token loss.
     Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
-    of KL(old || new)), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip),
+    of KL(old || new), from the clamped log-ratio for vanilla as verl averages it), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip),
     as detached 0-dim tensors: reading one waits for the device, so the update reads them once
     per mini-batch rather than stalling every micro-batch.
     """
@@ -277,11 +283,15 @@ def policy_loss(
         raise ValueError(f"policy loss {mode!r} is not one of {', '.join(POLICY_LOSSES)}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
-    log_ratio = logp - old_logp
+    token_log_ratio = logp - old_logp
     if mode == "gspo":
-        seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
-        log_ratio = logp - logp.detach() + seq_log_ratio
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        seq_log_ratio = masked_mean(token_log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
+        log_ratio = (logp - logp.detach() + seq_log_ratio).clamp(max=_GSPO_MAX_LOG_RATIO)
+        ppo_kl = masked_mean(-token_log_ratio.detach(), mask)
+    else:
+        log_ratio = token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        ppo_kl = masked_mean(-log_ratio.detach(), mask)
+    ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
@@ -300,57 +310,10 @@ def policy_loss(
         # This micro-batch's own mean, comparable across micro-batch sizes (the loss is not).
         "pg_loss": agg_loss(loss_mat.detach(), mask, loss_agg_mode, None, norm_len),
         "pg_clipfrac": clipfrac,
-        "ppo_kl": masked_mean(-(logp - old_logp).detach(), mask),
+        "ppo_kl": ppo_kl,
         "pg_clipfrac_lower": clipfrac_lower,
     }
     return loss, metrics
-
-
-def rollout_correction(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str | None,
-    threshold: float = 2.0,
-    lower: float | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
-    """Correction for the gap between the sampler's and the trainer's probabilities of the
-    sampled tokens: (loss weights or None, the mask to train on, metrics).
-
-    ratio = pi_trainer / pi_rollout per token (sequence: the product). token_tis / seq_tis:
-    truncated importance weights min(ratio, threshold). token_mask / seq_mask: tokens /
-    sequences whose ratio leaves [lower, threshold] are dropped from the loss (lower defaults
-    to 1 / threshold). Metrics whatever the mode: kl (k3 estimate of KL(rollout || trainer)
-    over kept response tokens), ratio_max (largest token ratio; 1 when nothing is kept),
-    masked_frac (response tokens dropped), as detached 0-dim tensors (see policy_loss).
-    """
-    if mode is not None and mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"rollout correction {mode!r} is not null or one of {', '.join(ROLLOUT_CORRECTIONS)}")
-    lower = 1.0 / threshold if lower is None else lower
-    keep = mask.bool()
-    log_ratio = torch.where(keep, old_logp - rollout_logp, old_logp.new_zeros(())).detach()
-    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    seq_ratio = torch.exp(log_ratio.sum(-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).unsqueeze(-1).expand_as(ratio)
-    weights, new_mask = None, keep
-    if mode == "token_tis":
-        weights = ratio.clamp(max=threshold)
-    elif mode == "seq_tis":
-        weights = seq_ratio.clamp(max=threshold)
-    elif mode == "token_mask":
-        new_mask = keep & (ratio >= lower) & (ratio <= threshold)
-    elif mode == "seq_mask":
-        new_mask = keep & (seq_ratio >= lower) & (seq_ratio <= threshold)
-    # k3 of KL(rollout || trainer) from rollout samples: r = log(pi_trainer / pi_rollout).
-    k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(min=0.0)  # >= 0; float round-off gives -0.0
-    n = keep.sum().clamp(min=1)
-    largest = torch.where(keep, ratio, ratio.new_zeros(())).amax()
-    metrics = {
-        "kl": masked_mean(k3, keep),
-        "ratio_max": torch.where(keep.any(), largest, torch.ones_like(largest)),
-        "masked_frac": (keep & ~new_mask).sum() / n,
-    }
-    return weights, new_mask.to(mask.dtype), metrics
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int, penalty_factor: float) -> float:

@@ -28,6 +28,7 @@ class TrainBatch:
     old_logp: torch.Tensor | None = None  # [B, L-1]
     ref_logp: torch.Tensor | None = None  # [B, L-1]
     rollout_logp: torch.Tensor | None = None  # [B, L-1]: the sampler's log-probs of the response tokens
+    is_weights: torch.Tensor | None = None  # [B, L-1]: rollout-correction weights set before the update
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

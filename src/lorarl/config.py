@@ -105,6 +105,11 @@ def validate(run: RunConfig) -> None:
     check_batch_split(run)
     r, lora, d = run.rollout, run.model.lora, run.data
     check(
+        d.gen_batch_size is None or (run.algorithm.filter_groups.enable and d.gen_batch_size >= d.train_batch_size),
+        f"data.gen_batch_size={d.gen_batch_size} oversamples for dynamic sampling: it needs "
+        f"algorithm.filter_groups.enable=true and a value >= data.train_batch_size={d.train_batch_size} (or null)",
+    )
+    check(
         not (r.layered_summon and lora.merge),
         "rollout.layered_summon=true exports only the adapter, but model.lora.merge=true pushes merged full "
         "weights; pick one",
@@ -185,6 +190,20 @@ def check_megatron(run: RunConfig) -> None:
         "trainer.save_freq: mid-run checkpoints are not supported with +backend=megatron yet (the final adapter "
         "is still exported); set trainer.save_freq=-1 or use +backend=fsdp",
     )
+    ep, world = b.expert_model_parallel_size, run.world_size
+    check(
+        not (ep > 1 and lora.merge),
+        f"model.lora.merge=true with backend.expert_model_parallel_size={ep}: Megatron-Bridge numbers expert "
+        "adapters per rank but gathers base experts over ranks, so a merge could pair an expert with another's "
+        "adapter; use model.lora.merge=false (adapter sync)",
+    )
+    # megatron-core builds expert groups as ETP x EP x expert-DP inside each pipeline stage.
+    mp = ep * b.expert_tensor_parallel_size * b.pipeline_model_parallel_size
+    check(
+        world % mp == 0,
+        f"backend.expert_model_parallel_size x backend.expert_tensor_parallel_size x "
+        f"backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
+    )
     check(
         b.bridge != "mbridge" or lora.merge,
         "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or "
@@ -198,9 +217,11 @@ def check_model_shape(
     num_key_value_heads: int,
     num_layers: int | None = None,
     vocab_size: int | None = None,
+    num_experts: int | None = None,
 ) -> None:
     """Checks that need the model's config: tensor parallel sizes must split the heads; with
-    Megatron, pipeline stages the layers and tensor parallelism the vocabulary."""
+    Megatron, pipeline stages the layers, tensor parallelism the vocabulary and expert
+    parallelism the experts (`num_experts`: 0 for a dense model, None when not known)."""
     tp = run.rollout.tensor_model_parallel_size
     key = "rollout.tensor_model_parallel_size"
     check(
@@ -239,6 +260,29 @@ def check_model_shape(
     check(
         vocab_size is None or vocab_size % tp == 0,
         f"{key}={tp} does not divide the model's vocab_size={vocab_size}",
+    )
+    if num_experts is not None:
+        check_experts(b, num_experts)
+
+
+def check_experts(b: MegatronBackendConfig, num_experts: int) -> None:
+    ep, tp = b.expert_model_parallel_size, b.tensor_model_parallel_size
+    if num_experts < 1:
+        check(
+            ep == 1,
+            f"backend.expert_model_parallel_size={ep} needs a mixture-of-experts model; this one has no experts",
+        )
+        return
+    check(
+        num_experts % ep == 0,
+        f"backend.expert_model_parallel_size={ep} does not divide the model's {num_experts} experts",
+    )
+    # megatron-core's MoELayer.forward raises in training when attention TP > 1 without SP.
+    check(
+        tp == 1 or b.sequence_parallel,
+        f"backend.tensor_model_parallel_size={tp} on a mixture-of-experts model needs backend.sequence_parallel=true "
+        "(megatron-core refuses MoE training with tensor parallelism alone); or use tensor parallel 1 with "
+        "backend.expert_model_parallel_size",
     )
 
 

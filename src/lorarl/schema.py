@@ -13,12 +13,14 @@ This module imports nothing of lorarl but its errors: everything else may import
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
 
-from lorarl.errors import ConfigError
+from lorarl.errors import ConfigError, check, one_of
+from lorarl.schema_algorithm import AlgorithmConfig
 
 HF_LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
@@ -28,25 +30,14 @@ VLLM_LORA_UNSUPPORTED = ("lm_head", "embed_tokens")
 # this against vLLM's own list.
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # model.builder -> the architecture lorarl.models.tiny builds for it.
-MODEL_BUILDERS = {"tiny_qwen2": "qwen2", "tiny_qwen3": "qwen3"}
+MODEL_BUILDERS = {"tiny_qwen2": "qwen2", "tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3_moe"}
 # The names the loss functions in lorarl.algorithms dispatch on.
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "gspo")
 KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
-ROLLOUT_CORRECTIONS = ("token_tis", "seq_tis", "token_mask", "seq_mask")
 # Megatron-Bridge's LoRA classes and A initialisations (ParallelLinearAdapter._get_init_fn; "zero" is B's).
 LORA_TYPES = ("lora", "canonical_lora")
 LORA_INIT_METHODS = ("xavier", "kaiming", "normal")
-
-
-def check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def one_of(key: str, value: Any, allowed: tuple) -> None:
-    shown = ", ".join(str(a) for a in allowed if a is not None)
-    check(value in allowed, f"{key}={value!r} is not valid; use {'null or ' if None in allowed else ''}one of: {shown}")
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -56,6 +47,28 @@ def vllm_lora_rank(rank: int) -> int:
     if rank <= 0 or rank > VLLM_LORA_RANKS[-1]:
         raise ConfigError(f"model.lora.rank={rank} is outside 1..{VLLM_LORA_RANKS[-1]}, the ranks vLLM can serve")
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+# MoE expert parameters: the fused stacks lorarl exports LoRA on (vLLM's per-expert projections
+# come from them, lorarl.expert_lora), and what vLLM serves no LoRA on.
+QWEN3_MOE_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+_UNSERVABLE = re.compile(r"(^|\.)(gate|lm_head|embed_tokens)(\.|$)")
+
+
+def check_target_parameters(names) -> None:
+    """One-line ConfigError for a target parameter vLLM cannot serve or lorarl cannot export."""
+    for name in names:
+        check(
+            not _UNSERVABLE.search(name),
+            f"model.lora.target_parameters contains {name!r}: vLLM serves no LoRA on the router (mlp.gate), "
+            f"embeddings or lm_head; target the experts ({','.join(QWEN3_MOE_EXPERT_PARAMETERS)})",
+        )
+        check(
+            name.rsplit(".", 1)[-1] in EXPERT_PROJECTIONS,
+            f"model.lora.target_parameters contains {name!r}: lorarl exports LoRA on the fused expert "
+            f"parameters {', '.join(EXPERT_PROJECTIONS)} only (e.g. {QWEN3_MOE_EXPERT_PARAMETERS[0]})",
+        )
 
 
 def cache_dir() -> str:
@@ -70,6 +83,9 @@ class LoraConfig:
     dropout: float = MISSING
     # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
     target_modules: list[str] = MISSING
+    # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
+    # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
+    target_parameters: list[str] = MISSING
     # Megatron only: fused `lora` or per-projection `canonical_lora`.
     type: str = MISSING
     # Megatron only: initialisation of A (B always starts at zero).
@@ -92,6 +108,12 @@ class LoraConfig:
                 f"model.lora.target_modules contains {name!r}: vLLM cannot load LoRA on lm_head/embed_tokens; "
                 f"target the linear projections ({','.join(HF_LINEAR_PROJECTIONS)})",
             )
+            check(
+                name.split(".")[-1] != "gate",
+                f"model.lora.target_modules contains {name!r}: that is the MoE router, which vLLM serves no LoRA on; "
+                "target the attention projections and the experts (model.lora.target_parameters)",
+            )
+        check_target_parameters(self.target_parameters)
         one_of("model.lora.type", self.type, LORA_TYPES)
         one_of("model.lora.init_A", self.init_A, LORA_INIT_METHODS)
 
@@ -100,7 +122,7 @@ class LoraConfig:
 class ModelConfig:
     # HF hub id or local directory.
     path: str = MISSING
-    # "tiny_qwen2" | "tiny_qwen3": build the embedded model at `path` when it is not there yet.
+    # "tiny_qwen2" | "tiny_qwen3" | "tiny_qwen3_moe": build the embedded model at `path` when it is not there yet.
     builder: str | None = MISSING
     # Training dtype of the frozen base; LoRA weights and optimizer state stay float32.
     dtype: str = MISSING
@@ -130,6 +152,8 @@ class DataConfig:
     shuffle: bool = MISSING
     # "package.module:function" scoring every sample instead of the data_source registry.
     reward_fn: str | None = MISSING
+    # Prompts per generation round of DAPO dynamic sampling (oversampling); null: train_batch_size.
+    gen_batch_size: int | None = MISSING
 
     def check(self) -> None:
         one_of("data.truncation", self.truncation, ("error", "left", "right"))
@@ -156,6 +180,9 @@ class RolloutConfig:
     top_p: float = MISSING
     gpu_memory_utilization: float = MISSING
     tensor_model_parallel_size: int = MISSING
+    # MoE models: spread the experts over the tensor-parallel ranks instead of slicing each one
+    # (vLLM's enable_expert_parallel; each rank then holds and is checked on its own experts).
+    enable_expert_parallel: bool = MISSING
     # auto/safetensors: vLLM reads the base from disk. dummy: random base, sent once by the trainer.
     load_format: str = MISSING
     # Export the adapter one FSDP unit at a time (needs the base already in vLLM).
@@ -237,6 +264,8 @@ class ActorConfig:
     kl_loss_coef: float = MISSING
     kl_loss_type: str = MISSING
     loss_agg_mode: str = MISSING
+    # seq-mean-token-sum-norm's constant divisor; null: data.max_response_length.
+    loss_scale_factor: int | None = MISSING
     # vanilla: per-token PPO ratio; gspo: one length-normalised ratio per sequence.
     policy_loss: str = MISSING
     grad_clip: float = MISSING
@@ -261,6 +290,22 @@ class ActorConfig:
             f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual clip) or null",
         )
         check(
+            self.loss_scale_factor is None or self.loss_scale_factor > 0,
+            f"actor.loss_scale_factor={self.loss_scale_factor} must be > 0, or null for data.max_response_length",
+        )
+        if self.policy_loss == "gspo":
+            # GSPO is defined (and run by verl) without the dual clip and with seq-mean-token-mean;
+            # other combinations are refused rather than given a meaning verl does not have.
+            check(
+                self.clip_ratio_c is None,
+                f"actor.policy_loss=gspo does not use the dual clip; set actor.clip_ratio_c=null (got {self.clip_ratio_c})",
+            )
+            check(
+                self.loss_agg_mode == "seq-mean-token-mean",
+                "actor.policy_loss=gspo aggregates seq-mean-token-mean; set actor.loss_agg_mode=seq-mean-token-mean "
+                f"(got {self.loss_agg_mode})",
+            )
+        check(
             self.ppo_max_token_len_per_gpu > 0,
             f"actor.ppo_max_token_len_per_gpu={self.ppo_max_token_len_per_gpu} must be > 0",
         )
@@ -268,64 +313,6 @@ class ActorConfig:
             self.log_prob_max_token_len_per_gpu is None or self.log_prob_max_token_len_per_gpu > 0,
             f"actor.log_prob_max_token_len_per_gpu={self.log_prob_max_token_len_per_gpu} must be > 0 (or null: "
             "twice actor.ppo_max_token_len_per_gpu)",
-        )
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    # null | token_tis | seq_tis | token_mask | seq_mask (see lorarl.algorithms.rollout_correction).
-    mode: str | None = MISSING
-    # Upper bound of the ratio pi_trainer / pi_rollout (truncation for *_tis, band for *_mask).
-    threshold: float = MISSING
-    # Lower bound of the band for *_mask; null: 1 / threshold.
-    lower: float | None = MISSING
-
-
-@dataclass
-class FilterGroupsConfig:
-    # DAPO dynamic sampling: drop prompt groups whose rewards are all equal, sample more prompts.
-    enable: bool = MISSING
-    # Generation rounds per step at most (the first included); a batch still short after them
-    # is filled with dropped groups (zero advantage) and the step goes on.
-    max_num_gen_batches: int = MISSING
-
-
-@dataclass
-class OverlongBufferConfig:
-    # DAPO soft overlong punishment, added to the reward.
-    enable: bool = MISSING
-    # Tokens before data.max_response_length where the penalty starts; null: 20% of it (the
-    # paper's 4096 of 20480).
-    len: int | None = MISSING
-    penalty_factor: float = MISSING
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = MISSING
-    norm_adv_by_std_in_grpo: bool = MISSING
-    use_kl_in_reward: bool = MISSING
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-
-    def check(self) -> None:
-        one_of("algorithm.adv_estimator", self.adv_estimator, ("grpo",))
-        check(
-            not self.use_kl_in_reward,
-            "algorithm.use_kl_in_reward=true is not supported: GRPO here puts the KL in the loss; "
-            "set actor.use_kl_loss=true instead",
-        )
-        rc = self.rollout_correction
-        one_of("algorithm.rollout_correction.mode", rc.mode, (None, *ROLLOUT_CORRECTIONS))
-        check(rc.threshold > 1.0, f"algorithm.rollout_correction.threshold={rc.threshold} must be > 1")
-        check(
-            rc.lower is None or 0.0 <= rc.lower < 1.0,
-            f"algorithm.rollout_correction.lower={rc.lower} must be in [0, 1), or null for 1 / threshold",
-        )
-        check(
-            self.filter_groups.max_num_gen_batches >= 1,
-            f"algorithm.filter_groups.max_num_gen_batches={self.filter_groups.max_num_gen_batches} must be >= 1",
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from lorarl.schema import check, one_of
+from lorarl.errors import check, one_of
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
@@ -47,6 +47,10 @@ class MegatronBackendConfig:
     bridge: str = MISSING
     tensor_model_parallel_size: int = MISSING
     pipeline_model_parallel_size: int = MISSING
+    # MoE only: experts split over this many ranks (must divide the experts); each expert's
+    # linears split over expert_tensor_parallel_size ranks (only 1 exports correctly).
+    expert_model_parallel_size: int = MISSING
+    expert_tensor_parallel_size: int = MISSING
     sequence_parallel: bool = MISSING
     use_distributed_optimizer: bool = MISSING
     recompute_granularity: str | None = MISSING
@@ -63,8 +67,21 @@ class MegatronBackendConfig:
         """What megatron-core would assert later, with lorarl's key names (the model's shape:
         lorarl.config.check_model_shape)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        for key, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        for key, v in (
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
+        ):
             check(v >= 1, f"backend.{key}={v!r} must be an integer >= 1")
+        # Megatron-Bridge splits an expert's fused gate/up LoRA as if unsharded (lorarl.engines.megatron.experts).
+        check(
+            etp == 1,
+            f"backend.expert_tensor_parallel_size={etp}: Megatron-Bridge splits an expert's fused gate/up LoRA as if "
+            "unsharded, so the exported expert adapter would be silently wrong; set backend.expert_tensor_parallel_size=1 "
+            "and spread experts with backend.expert_model_parallel_size",
+        )
         one_of("backend.strategy", self.strategy, ("megatron",))
         one_of("backend.bridge", self.bridge, ("megatron_bridge", "mbridge"))
         one_of("backend.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
@@ -84,7 +101,13 @@ class MegatronBackendConfig:
             "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge",
         )
         self._check_recompute()
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"):
+        for key in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "sequence_parallel",
+        ):
             check(
                 key not in self.override_transformer_config,
                 f"backend.override_transformer_config.{key} duplicates backend.{key}; set backend.{key} instead",

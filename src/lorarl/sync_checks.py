@@ -193,6 +193,8 @@ def expected_adapter_slots(
     out = {module: (ZERO, ZERO) for module in slots}
     pending: dict[str, tuple[Tensor, Tensor]] = {}
     for module, ab in pairs.items():
+        if module not in slots and _other_ranks_expert(module, slots):
+            continue  # expert parallelism: another rank holds (and checks) this expert
         if module not in slots:
             raise SyncError(
                 f"adapter module '{module}' has no LoRA slot in vLLM (its LoRA modules are e.g. "
@@ -210,6 +212,15 @@ def expected_adapter_slots(
     resolved = iter(resolve(fingerprint_sums_many([t for pair in pending.values() for t in pair])))
     out.update({module: (next(resolved), next(resolved)) for module in pending})
     return out
+
+
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
+
+
+def _other_ranks_expert(module: str, slots: Mapping[str, LoraSlot]) -> bool:
+    """An expert projection this rank has no slot for while it holds other experts of that layer."""
+    match = _EXPERT.match(module)
+    return match is not None and any(s.startswith(match["experts"] + ".") for s in slots)
 
 
 def _tp_shard(t: Tensor, dim: int, size: int, tp_rank: int, tp_size: int) -> Tensor:

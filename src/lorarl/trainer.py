@@ -104,7 +104,7 @@ def run(cfg: DictConfig) -> float | None:
 
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
-        from lorarl.data.dataset import PromptLoader, build_prompts, load_rows
+        from lorarl.data.batches import prompt_batches
         from lorarl.preflight import check_model, load_tokenizer
         from lorarl.rewards import check_items
 
@@ -129,22 +129,16 @@ class GRPOTrainer:
             getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads,
             num_layers=hf_cfg.num_hidden_layers,
             vocab_size=hf_cfg.vocab_size,
+            num_experts=int(getattr(hf_cfg, "num_experts", None) or 0),
         )
         self.tokenizer = load_tokenizer(run)
         d = run.data
-
-        def prompts(files: list[str]):
-            items, dropped = build_prompts(
-                load_rows(files), self.tokenizer, d.max_prompt_length, d.filter_overlong_prompts, d.truncation
-            )
+        validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+        self.loader, self.val_items, self.dropped_prompts = prompt_batches(
+            d, self.tokenizer, run.trainer.seed, validation
+        )
+        for items in (self.loader.items, self.val_items):
             check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
-            return items, dropped
-
-        items, self.dropped_prompts = prompts(d.train_files)
-        self.loader = PromptLoader(items, d.train_batch_size, shuffle=d.shuffle, seed=run.trainer.seed)
-        self.val_items = []
-        if d.val_files and (run.trainer.test_freq > 0 or run.trainer.val_before_train):
-            self.val_items, _ = prompts(d.val_files)
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         self.sampling = sampling_of(run)

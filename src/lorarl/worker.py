@@ -13,6 +13,7 @@ import gc
 import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
 from lorarl.messages import GenerateRequest, Rollouts, SyncRequest, UpdateRequest
 from lorarl.peft_io import save_peft_adapter
-from lorarl.ppo import is_on_policy, ppo_update
+from lorarl.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.rollout_sleep import RolloutSleep, can_sleep
 from lorarl.sync_session import SyncSession
 
@@ -109,6 +110,7 @@ class Worker:
             dtype=r.dtype,
             gpu_memory_utilization=r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_model_parallel_size,
+            enable_expert_parallel=r.enable_expert_parallel,
             load_format=r.load_format,
             # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
             enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
@@ -120,6 +122,7 @@ class Worker:
         self.engine = make_engine(self.run, self.device)
         self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
         self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
+        self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
         return self.dp_rank, self.dp_size, str(self.sleep.plan)
 
     @property
@@ -170,7 +173,7 @@ class Worker:
             self.engine.left_pad_prompts,
             request.rollout_logprobs,
         )
-        if not is_on_policy(a, self.run.data.train_batch_size):
+        if needs_old_logp(a, self.run.data.train_batch_size, self.correction):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["timing/old_logp"] = time.perf_counter() - t0
@@ -179,8 +182,7 @@ class Worker:
             batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
             timing["timing/ref_logp"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        correction = self.run.algorithm.rollout_correction
-        metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, correction)
+        metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
         timing["timing/update"] = time.perf_counter() - t0
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
@@ -210,10 +212,20 @@ class Worker:
         load_engine_state(self.engine, directory, self.rank)
 
     def export_adapter(self, directory: str) -> None:
-        """The trained adapter as a standard PEFT folder (rank 0 writes; collective)."""
+        """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
+        LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
         lora = self.engine.lora_state()
         if self.rank == 0:
-            save_peft_adapter(directory, lora, self.engine.adapter_config())
+            config = self.engine.adapter_config()
+            save_peft_adapter(directory, lora, config)
+            experts = getattr(self.engine, "expert_wrappers", None)
+            if experts:
+                # PEFT reads expert LoRA as stacks, vLLM per expert: the vLLM copy goes beside it.
+                from lorarl.expert_lora import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
+
+                save_peft_adapter(
+                    Path(directory) / VLLM_ADAPTER_SUBDIR, to_vllm_layout(lora, experts), vllm_adapter_config(config)
+                )
         dist.barrier()
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -29,11 +29,12 @@ RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 def _update(engine, batch, step: int) -> dict:
     """The worker's update call (lorarl.ppo.ppo_update with the run's sampling facts)."""
-    from lorarl.ppo import ppo_update
+    from lorarl.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
     run = engine.run
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, run.algorithm.rollout_correction)
+    correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
 
 
 def _log_probs(engine, batch, **kw):

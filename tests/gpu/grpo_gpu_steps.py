@@ -343,7 +343,7 @@ def _greedy_and_probe(worker, prompts):
     r = worker.rollout
     seq, start = worker.sync_session.probe_seqs[0], 1
     r.reset_prefix_cache()
-    tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+    tokens = r.sample(prompts, n=1, temperature=0.0, max_tokens=16).token_ids
     r.reset_prefix_cache()
     return tokens, torch.tensor(r.prompt_logprobs(seq, start))
 

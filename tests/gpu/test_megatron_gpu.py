@@ -135,7 +135,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
     from lorarl.messages import Sampling
-    from lorarl.ppo import ppo_update
+    from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
@@ -145,6 +145,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     engine = MegatronEngine(run)
     temp = run.rollout.temperature
     sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
+    correction = Correction.of(run.algorithm.rollout_correction, "cuda")
     rank = dist.get_rank()
     result: dict = {
         "tp": tp,
@@ -184,7 +185,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
         batch.old_logp = engine.log_probs(batch, temperature=temp)
         batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = ppo_update(engine, batch, step, sampling, run.actor, run.algorithm.rollout_correction)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics

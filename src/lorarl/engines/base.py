@@ -91,9 +91,12 @@ def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, flo
 
 
 def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
-    """One number per metric over micro-batches (or workers): the largest for `*_max` keys,
-    else the mean."""
-    return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in values.items()}
+    """One number per metric over micro-batches (or workers): the largest for `*_max` keys, the
+    smallest for `*_min` keys, else the mean."""
+    return {
+        k: max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
+        for k, v in values.items()
+    }
 
 
 def check_grad_norm(grad_norm: float, step: int) -> float:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lorarl import algorithms
@@ -35,8 +35,10 @@ from lorarl.engines.base import (
     check_grad_norm,
     read_metrics,
 )
-from lorarl.engines.liger import apply_liger_kernel, use_liger_kernel
+from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
+from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
 from lorarl.errors import ModelError, TrainingError, first_line
+from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
@@ -60,7 +62,9 @@ def load_lora_model(run: RunConfig, device: torch.device):
         )
     except (OSError, ValueError) as err:
         raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
-    if liger:
+    # Automatic (null) only where Liger has kernels for the model (not Qwen3-MoE); asked for
+    # explicitly, an unsupported model is an error.
+    if liger and (run.backend.liger_kernel or model.config.model_type in LIGER_MODEL_TYPES):
         apply_liger_kernel(model)
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -71,6 +75,7 @@ def load_lora_model(run: RunConfig, device: torch.device):
         lora_alpha=m.lora.alpha,
         lora_dropout=m.lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        target_parameters=list(m.lora.target_parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -78,7 +83,8 @@ def load_lora_model(run: RunConfig, device: torch.device):
         peft_model = get_peft_model(model, lora_cfg)
     except ValueError as err:
         raise ModelError(
-            f"model.lora.target_modules={list(targets)} matched no module of {m.path}: {first_line(err)}"
+            f"model.lora.target_modules={list(targets)} / target_parameters={list(m.lora.target_parameters)} "
+            f"matched nothing in {m.path}: {first_line(err)}"
         ) from err
     for p in peft_model.parameters():
         if p.requires_grad:
@@ -92,50 +98,6 @@ def takes_prepared_masks(config) -> bool:
     whose every layer attends fully: one causal mask then serves all of them."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     return config.model_type in ("qwen2", "qwen3") and set(layer_types) == {"full_attention"}
-
-
-def decoder_layers(peft_model) -> list[torch.nn.Module]:
-    inner = peft_model.base_model.model  # the HF *ForCausalLM
-    return list(inner.model.layers)
-
-
-def compile_layers(peft_model) -> None:
-    """torch.compile every decoder layer (LoRA linears included) in place, which keeps the
-    parameter names. The layers share one compiled graph (modules are graph inputs, not
-    constants), compiled for dynamic shapes since every micro-batch has its own rows and length.
-    Called before `shard`: FSDP's hooks run around the compiled call, not inside it."""
-    for layer in decoder_layers(peft_model):
-        layer.compile(dynamic=True)
-
-
-def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
-    """fully_shard every decoder layer, then the root; then one token through it, adapter on.
-
-    FSDP2 fixes each unit's gradient dtypes at the root's first forward, from the parameters
-    that require grad at that moment. PEFT's disable_adapter() switches requires_grad off, so a
-    first forward for reference log-probs left the float32 LoRA weights with bf16 gradients,
-    which torch refuses to assign (seen on GPU with KL loss before any update)."""
-    for layer in decoder_layers(peft_model):
-        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
-    fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
-    with torch.no_grad():
-        peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    if not fsdp_kwargs.get("reshard_after_forward", True):
-        reshard_all(peft_model)
-    return peft_model
-
-
-def reshard_all(peft_model) -> None:
-    """Register the sharded parameters again after a forward without autograd.
-
-    With `reshard_after_forward=False` FSDP2 keeps a forward's unsharded parameters registered
-    until the backward reshards them, and a forward under no_grad has no backward. Everything
-    else reads the registered parameters as the shards: the optimizer's list, the adapter
-    gather, PEFT's adapter switch setting requires_grad (on the unsharded copies, the sharded
-    LoRA weights would stay frozen and an update's loss have no graph)."""
-    for module in peft_model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 class FSDPEngine:
@@ -157,6 +119,8 @@ class FSDPEngine:
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))
         if b.compile:
             compile_layers(peft_model)
+        # Before sharding: fully_shard keeps module names, and PEFT's saved names are module names.
+        self.expert_wrappers = expert_wrappers(peft_model)
         self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
         o = run.actor.optim
@@ -309,6 +273,8 @@ class FSDPEngine:
         cfg["target_modules"] = (
             sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
         )
+        if cfg.get("target_parameters"):  # a set in PEFT; PEFT needs it back to rebuild the expert wrappers
+            cfg["target_parameters"] = sorted(cfg["target_parameters"])
         cfg["task_type"] = str(getattr(cfg.get("task_type"), "value", cfg.get("task_type")))
         cfg["peft_type"] = str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type")))
         cfg["base_model_name_or_path"] = self.run.model.path
@@ -333,6 +299,9 @@ class FSDPEngine:
                 "per_param": self._adapter_per_param,
             }
             tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
+            if self.expert_wrappers:
+                # vLLM reads expert LoRA per expert (lorarl.expert_lora); checkpoints keep PEFT's stacks.
+                tensors = to_vllm_layout(tensors, self.expert_wrappers)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
@@ -406,10 +375,16 @@ class FSDPEngine:
                 for name, p in own.items():
                     if "lora_" in name:
                         continue
+                    expert = self._expert_wrapper_of(prefix + name) if merge else None
                     if merge and name.endswith(".base_layer.weight"):
                         stem = name[: -len(".base_layer.weight")]
                         a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
                         tensor = (p.float() + scale * (b.float() @ a.float())).to(p.dtype)
+                    elif expert is not None:
+                        stem = expert.module[len(prefix) :]
+                        a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
+                        delta = expert_delta(a.float(), b.float(), expert.num_experts, scale)
+                        tensor = (p.float() + delta).to(p.dtype)
                     else:
                         # A copy on the trainer's device: the unsharded storage is freed at
                         # reshard while vLLM may still hold the tensor, and the colocated engine
@@ -424,6 +399,14 @@ class FSDPEngine:
                         # consumers that save the stream refuse tensors sharing memory.
                         yield "lm_head.weight", tensor.clone()
                 unit.reshard()
+
+    def _expert_wrapper_of(self, param_name: str):
+        """The PEFT wrapper over a stacked expert parameter (full name), or None."""
+        stem, _, leaf = param_name.rpartition(".")
+        for wrapper in self.expert_wrappers.values():
+            if wrapper.parameter == leaf and stem.startswith(wrapper.module + "."):
+                return wrapper
+        return None
 
     # ---- checkpoint ------------------------------------------------------------------------
 
@@ -493,4 +476,8 @@ def peft_name(param_name: str) -> str:
 
 def _hf_name(param_name: str) -> str:
     name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
-    return name.replace(".base_layer.", ".")
+    # PEFT nests one wrapper per targeted parameter of a module (both expert stacks): one
+    # `.base_layer` per level, adjacent, so a single replace would leave every second one.
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name

@@ -7,6 +7,9 @@ import torch
 from lorarl.config import RunConfig
 from lorarl.errors import ConfigError, first_line
 
+# The model types Liger has kernels for (automatic use applies them to these only).
+LIGER_MODEL_TYPES = ("qwen2", "qwen3")
+
 
 def use_liger_kernel(run: RunConfig, device: torch.device) -> bool:
     """backend.liger_kernel, with null resolved: on when training on CUDA (Triton kernels) and
@@ -35,7 +38,9 @@ def apply_liger_kernel(model) -> None:
             f"backend.liger_kernel: liger-kernel is not importable ({first_line(err)}); "
             "pip install -e '.[gpu]', or set backend.liger_kernel=false"
         ) from err
-    patch = {"qwen2": apply_liger_kernel_to_qwen2, "qwen3": apply_liger_kernel_to_qwen3}.get(model.config.model_type)
+    patch = dict(zip(LIGER_MODEL_TYPES, (apply_liger_kernel_to_qwen2, apply_liger_kernel_to_qwen3))).get(
+        model.config.model_type
+    )
     if patch is None:
         raise ConfigError(
             f"backend.liger_kernel: no Liger kernels for model_type {model.config.model_type!r} "

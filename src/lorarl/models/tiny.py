@@ -62,6 +62,12 @@ DEFAULT_WARMUP_STEPS = 60
 # model.builder value -> architecture built by it (the config checks the name).
 ARCHS = MODEL_BUILDERS
 
+# The MoE one (Qwen3-30B-A3B's layout in small): every layer sparse, top-2 of 8 experts with the
+# routing weights renormalised (norm_topk_prob), each expert as wide as a quarter of the dense MLP
+# so the active width per token (2 x 128) is half the dense tiny model's, as 30B-A3B's 8 x 768 is
+# well under a dense model's MLP.
+EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 8, 2, 128
+
 
 def default_tiny_model_path(seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS, arch: str = "qwen2") -> Path:
     return Path(cache_dir()) / f"tiny-{arch}-v{BUILDER_VERSION}-s{seed}-w{warmup_steps}"
@@ -70,7 +76,7 @@ def default_tiny_model_path(seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_ST
 def ensure_tiny_model(
     path: str | Path, seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS, arch: str = "qwen2"
 ) -> Path:
-    """Return `path` holding the tiny `arch` model (qwen2 | qwen3), building it first unless a
+    """Return `path` holding the tiny `arch` model (qwen2 | qwen3 | qwen3_moe), building it first unless a
     complete one with the same recipe is there."""
     if arch not in ARCHS.values():
         raise ModelError(f"no embedded {arch!r} model; the builder makes {', '.join(ARCHS.values())}")
@@ -176,12 +182,25 @@ def build_tokenizer(seed_texts: list[str] | None = None):
 
 
 def build_config(tokenizer, arch: str = "qwen2"):
-    from transformers import Qwen2Config, Qwen3Config
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab = -(-len(tokenizer) // 64) * 64
     # Qwen3Config defaults already match the family: attention_bias=False, q_norm/k_norm built in.
-    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
+    moe = (
+        {
+            "num_experts": EXPERTS,
+            "num_experts_per_tok": EXPERTS_PER_TOKEN,
+            "moe_intermediate_size": EXPERT_INTERMEDIATE,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+        }
+        if arch == "qwen3_moe"
+        else {}
+    )
     return config_cls(
+        **moe,
         vocab_size=vocab,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,

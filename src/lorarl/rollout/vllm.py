@@ -24,12 +24,13 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError
+from lorarl.expert_lora import is_moe_checkpoint
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_worker
 from lorarl.rollout.vllm_dtype import engine_dtype
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
-from lorarl.rollout.vllm_names import hf_parts, resolve_base_name, served_name  # noqa: F401  (served_name: public here)
+from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
 from lorarl.schema import vllm_lora_rank
 from lorarl.sync import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync_checks import AdapterLayout, fingerprint_sums
@@ -57,6 +58,7 @@ class VLLMRollout(FingerprintReads):
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         load_format: str = "auto",
         enforce_eager: bool = True,
         enable_sleep_mode: bool = False,
@@ -96,6 +98,10 @@ class VLLMRollout(FingerprintReads):
         # Per HF name, of the last base payload: fingerprint sums (read when checked) and numel.
         self._sent: dict[str, tuple[Tensor, int]] = {}
         self._asleep = False
+        # vLLM's CPU build picks its Triton fused-MoE kernel whenever LoRA is enabled and fails at
+        # the first forward (AttributeError: module 'triton.language' has no attribute 'float32');
+        # the engine still starts and loads adapters, so the layout can be checked, not served.
+        self._cpu_moe_lora = self._is_cpu and self.max_lora_rank is not None and is_moe_checkpoint(model_path)
 
         kwargs: dict = dict(
             model=str(model_path),
@@ -105,6 +111,7 @@ class VLLMRollout(FingerprintReads):
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             load_format=load_format,
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
@@ -185,6 +192,11 @@ class VLLMRollout(FingerprintReads):
         """The request every generate call carries: the synced adapter, or None without one.
 
         Raises when the last adapter was rejected: serving the one before it would be silent."""
+        if self._cpu_moe_lora:
+            raise ConfigError(
+                "vLLM's CPU build cannot generate with a MoE model when LoRA is enabled (its fused-MoE LoRA kernel "
+                "is Triton-only); set model.lora.merge=true on CPU, or run adapter sync on a GPU"
+            )
         if self._rejected is not None:
             raise SyncError(
                 f"the rollout holds no valid adapter: vLLM rejected the last one ({self._rejected}); "
@@ -240,10 +252,6 @@ class VLLMRollout(FingerprintReads):
             tokens.append([list(c.token_ids) for c in out.outputs])
             logprobs.append([[step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)] for c in out.outputs])
         return Rollouts(tokens, logprobs, time.perf_counter() - t0)
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], **sampling) -> list[list[list[int]]]:
-        """The token ids of `sample(prompt_ids, **sampling)`."""
-        return self.sample(prompt_ids, **sampling).token_ids
 
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
         """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
@@ -318,6 +326,8 @@ class VLLMRollout(FingerprintReads):
                     yield resolve_base_name(name, live), tensor
 
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": resolved()})
+            if self._is_cpu:
+                self.run_in_worker(vllm_worker.prepack_cpu_experts)
         except Exception as exc:
             # Close vLLM's half-done reload so the next base payload starts clean (without
             # this, a second failed sync in a row wedged every later reload).

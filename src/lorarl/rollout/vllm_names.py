@@ -17,9 +17,17 @@ FUSED_INTO = {
 FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
 
 
+# transformers 5's fused expert stacks and the vLLM FusedMoE parameters they fill, same layout
+# ([E, 2I, H] gate rows then up rows; [E, H, I]); vllm_worker names those without the
+# version-dependent `.routed_experts` level.
+_EXPERT_STACKS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
 def served_name(name: str) -> str:
     """The parameter of vLLM's model that HF weight `name` fills (q/k/v into qkv_proj, ...)."""
     module, _, leaf = name.rpartition(".")
+    if module.endswith(".experts") and leaf in _EXPERT_STACKS:
+        return f"{module}.{_EXPERT_STACKS[leaf]}"
     prefix, _, proj = module.rpartition(".")
     fused = FUSED_INTO.get(proj)
     return name if fused is None else f"{prefix}.{fused}.{leaf}"
@@ -28,6 +36,9 @@ def served_name(name: str) -> str:
 def hf_parts(served: str) -> list[str]:
     """The HF weights that fill vLLM parameter `served` (qkv_proj.weight -> q/k/v_proj.weight)."""
     module, _, leaf = served.rpartition(".")
+    stacks = {v: k for k, v in _EXPERT_STACKS.items()}
+    if module.endswith(".experts") and leaf in stacks:
+        return [f"{module}.{stacks[leaf]}"]
     prefix, _, fused = module.rpartition(".")
     parts = sorted((p for p, f in FUSED_INTO.items() if f == fused), key=lambda p: FUSED_ORDER.get(p, 0))
     return [f"{prefix}.{p}.{leaf}" for p in parts] if parts else [served]

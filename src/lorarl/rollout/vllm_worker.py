@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorarl.errors import SyncError
+from lorarl.expert_lora import check_engine_reads_per_expert
 from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint_sums_many, peft_scaling, resolve
 
 
@@ -51,7 +52,35 @@ def wrapped_param_names(worker) -> list[str]:
 def param_names(worker) -> list[str]:
     """Every parameter of the served model, `.base_layer` removed (the names a base payload covers)."""
     model = vllm_worker(worker).model_runner.get_model()
-    return [name.replace(".base_layer.", ".") for name, _ in model.named_parameters()]
+    return [_served(name) for name, _ in model.named_parameters()]
+
+
+def _served(name: str) -> str:
+    """A live parameter name without LoRA's `.base_layer` and FusedMoE's `.routed_experts`
+    levels (present or not depending on the vLLM version and whether LoRA is on)."""
+    return name.replace(".base_layer.", ".").replace(".routed_experts.", ".")
+
+
+def _cpu_prepacked_experts(model):
+    """(name, layer, experts kernel) of every fused-MoE layer vLLM's CPU build keeps prepacked."""
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__ == "CPUUnquantizedExperts":
+            yield name, module, experts
+
+
+def prepack_cpu_experts(worker) -> int:
+    """vLLM 0.32's CPU build re-lays fused-MoE expert weights for its grouped GEMM (in place, same
+    shape) at the first load only: on a weight update its unquantized MoE method skips that step
+    (`is_weight_update`), so after reload_weights the kernel reads raw weights as packed ones and
+    the MoE layers compute garbage (measured: reloading the unchanged tiny MoE moved its log-probs
+    by up to 1.0). Re-run the kernel's own step; returns how many layers it repacked."""
+    model = vllm_worker(worker).model_runner.get_model()
+    layers = list(_cpu_prepacked_experts(model))
+    for _, layer, experts in layers:
+        experts.process_weights_after_loading(layer)
+    return len(layers)
 
 
 def forget_lora_mapping(worker) -> None:
@@ -106,6 +135,8 @@ def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], c
         from vllm.lora.models import LoRAModel
 
     manager, adapters = _lora_adapters(worker)
+    if any(".experts." in name for name in tensors):
+        check_engine_reads_per_expert(*expert_lora_layout(worker))
     helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
     model = adapters.model
@@ -127,6 +158,44 @@ def add_adapter_from_tensors(worker, lora_id: int, tensors: dict[str, Tensor], c
     adapters.remove_adapter(lora_id)
     adapters.add_adapter(lora)
     adapters.activate_adapter(lora_id)
+
+
+def expert_lora_layout(worker) -> tuple[list[str] | None, bool]:
+    """How the live engine reads expert LoRA: its per-expert sub-module names
+    (`packed_modules_mapping["experts"]`, None when it has none) and whether it wants stacked 3-D
+    tensors instead (vLLM's `is_3d_moe_weight` models)."""
+    _, adapters = _lora_adapters(worker)
+    names = getattr(adapters, "packed_modules_mapping", {}).get("experts")
+    return (list(names) if names is not None else None), bool(getattr(adapters, "_is_3d_moe_model", False))
+
+
+def _expert_slots(name: str, module, index: int, parts: list[str] | None) -> list[tuple[str, Tensor, Tensor]]:
+    """(part, A slot, B slot) per local expert projection of a fused-MoE LoRA layer.
+
+    vLLM keeps w1 (gate) and w3 (up) in w13_lora_*_stacked[0/1] and w2 (down) in
+    w2_lora_*_stacked[0], each [max_loras, local experts, rows, cols]; its packed sub-module
+    list runs expert-major as (w1, w2, w3) per expert, which names each slot. Under expert
+    parallelism a rank holds experts ep_rank * local ... + local - 1."""
+    if getattr(module, "enable_moe_shared_loras", False) or type(module).__name__ == "FusedMoE3DWithLoRA":
+        raise SyncError(
+            f"vLLM serves {name} with shared or stacked 3-D expert LoRA; lorarl fingerprints the per-expert "
+            "layout only (trainer.check_sync=false turns the sync checks off)"
+        )
+    local = module.w13_lora_a_stacked[0].shape[1]
+    first = getattr(module, "ep_rank", 0) * local if getattr(module, "use_ep", False) else 0
+    gated = len(module.w13_lora_a_stacked) == 2
+    per_expert = 3 if gated else 2
+    if parts is None or len(parts) % per_expert:
+        raise SyncError(f"vLLM lists no per-expert LoRA sub-modules for {name}; lorarl cannot name its slots")
+    out = []
+    for e in range(local):
+        names = parts[(first + e) * per_expert : (first + e + 1) * per_expert]
+        stacks = [(module.w13_lora_a_stacked[0], module.w13_lora_b_stacked[0])]
+        stacks.append((module.w2_lora_a_stacked[0], module.w2_lora_b_stacked[0]))
+        if gated:
+            stacks.append((module.w13_lora_a_stacked[1], module.w13_lora_b_stacked[1]))
+        out += [(part, a[index, e], b[index, e]) for part, (a, b) in zip(names, stacks)]
+    return out
 
 
 def adapter_layout(worker) -> AdapterLayout:
@@ -180,6 +249,11 @@ def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
     found: list[tuple[str, tuple, tuple]] = []
     held: list[Tensor] = []
     for name, module in modules.items():
+        if hasattr(module, "w13_lora_a_stacked"):
+            for part, slot_a, slot_b in _expert_slots(name, module, index, packed.get(name)):
+                found.append((part, tuple(slot_a.shape), tuple(slot_b.shape)))
+                held += [slot_a, slot_b]
+            continue
         stacks_a = getattr(module, "lora_a_stacked", None)
         stacks_b = getattr(module, "lora_b_stacked", None)
         if stacks_a is None or stacks_b is None:
@@ -223,14 +297,18 @@ def weight_fingerprints(worker, numels: dict[str, int]) -> dict[str, tuple]:
     GEMM library's layout and leaves an empty tensor) come back as None."""
     model = vllm_worker(worker).model_runner.get_model()
     out: dict[str, tuple | None] = {}
+    # The CPU build's prepacked expert stacks hold another layout than the one sent: unreadable.
+    packed = {
+        _served(f"{name}.{p}.") for name, _, _ in _cpu_prepacked_experts(model) for p in ("w13_weight", "w2_weight")
+    }
     readable: list[tuple[str, str]] = []
     held: list[Tensor] = []
     for name, param in model.named_parameters():
-        name = name.replace(".base_layer.", ".")
+        name = _served(name)
         if name not in numels:
             continue
         flat = param.detach().reshape(-1)
-        if flat.numel() < numels[name]:
+        if flat.numel() < numels[name] or f"{name}." in packed:
             out[name] = None
             continue
         readable.append((name, str(param.dtype)))

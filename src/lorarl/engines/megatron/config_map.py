@@ -14,6 +14,7 @@ from typing import Any
 
 from lorarl.engines.megatron.names import resolve_lora_targets
 from lorarl.errors import ConfigError
+from lorarl.expert_lora import expert_projections
 from lorarl.schema import LORA_INIT_METHODS as INIT_METHODS  # noqa: F401  (what the tests check against the bridge)
 
 PEFT_CLASSES = {"lora": "LoRA", "canonical_lora": "CanonicalLoRA"}
@@ -29,6 +30,11 @@ LOCAL_SPEC_FUSIONS_OFF = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "persist_layer_norm": False,
+    # MoE: grouped GEMM experts and fused token permutation are TransformerEngine kernels;
+    # the local spec builds experts as a SequentialMLP of megatron-core linears instead.
+    # Qwen3MoEBridge turns both on; harmless on dense models (no experts to build).
+    "moe_grouped_gemm": False,
+    "moe_permute_fusion": False,
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,7 +65,9 @@ class PeftSpec:
 def peft_spec(lora: Any) -> PeftSpec:
     """`model.lora` (checked by lorarl.schema.LoraConfig) -> LoRA/CanonicalLoRA(target_modules, dim, alpha, ...)."""
     lora_type, init_a, rank, alpha, dropout = lora.type, lora.init_A, lora.rank, lora.alpha, float(lora.dropout)
-    targets = resolve_lora_targets(list(lora.target_modules), lora_type)
+    # Megatron's experts are linear_fc1/linear_fc2 modules: the fused-expert parameters name them.
+    experts = expert_projections(getattr(lora, "target_parameters", ()) or ())
+    targets = resolve_lora_targets(list(lora.target_modules) + experts, lora_type)
     kwargs = {
         "target_modules": list(targets.megatron),
         "dim": rank,
@@ -123,6 +131,14 @@ def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
     settings: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
+        # Set even when 1: megatron-core defaults expert TP to the attention TP, which the
+        # expert adapter export cannot handle (lorarl.engines.megatron.experts).
+        "expert_model_parallel_size": int(backend.expert_model_parallel_size),
+        "expert_tensor_parallel_size": int(backend.expert_tensor_parallel_size),
+        # Top-k routing is discrete: router logits in bf16 pick other experts for near-tied
+        # tokens than vLLM's float32 top-k softmax, a trainer/rollout mismatch the probe would
+        # show. megatron-core itself warns without it at >= 32 experts. Ignored by dense models.
+        "moe_router_dtype": "fp32",
         "sequence_parallel": bool(backend.sequence_parallel),
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",

@@ -39,6 +39,8 @@ from lorarl.engines.megatron.config_map import (
     provider_plan,
     require_cuda,
 )
+from lorarl.engines.megatron.experts import ExpertParallel, gather_expert_adapter, num_experts_of, torch_all_gather
+from lorarl.engines.megatron.merged_view import merged_lora_view
 from lorarl.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class MegatronEngine:
                 ",".join(self.peft_spec.widened),
             )
         self._init_parallel(device, run.trainer.seed)
+        self.num_experts = num_experts_of(hf_config)
         from megatron.core import parallel_state
 
         self.ps = parallel_state
@@ -112,7 +115,10 @@ class MegatronEngine:
             dist.init_process_group("nccl")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                expert_model_parallel_size=self.backend.expert_model_parallel_size,
+                expert_tensor_parallel_size=self.backend.expert_tensor_parallel_size,
             )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -410,7 +416,7 @@ class MegatronEngine:
 
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
-            tensors = {k: v if dtype is None else v.to(dtype) for k, v in self.bridge.export_adapter(self.model)}
+            tensors = {k: v if dtype is None else v.to(dtype) for k, v in self._adapter_tensors()}
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         if kind is PayloadKind.BASE:
             stream = self.bridge.export_merged(self.model) if self.lora.merge else self.bridge.export_base(self.model)
@@ -425,7 +431,16 @@ class MegatronEngine:
                 "backend.bridge=mbridge cannot export the trained LoRA adapter, so none is written; "
                 "use backend.bridge=megatron_bridge to keep it"
             )
-        return {k: v.cpu() for k, v in self.bridge.export_adapter(self.model)}
+        return {k: v.cpu() for k, v in self._adapter_tensors()}
+
+    def _adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The bridge's adapter export, completed over the expert-parallel group (MoE, EP > 1)."""
+        tensors = dict(self.bridge.export_adapter(self.model))
+        ep = self.backend.expert_model_parallel_size
+        if self.num_experts == 0 or ep == 1:
+            return tensors
+        layout = ExpertParallel(self.num_experts, ep, self.ps.get_expert_model_parallel_rank())
+        return gather_expert_adapter(tensors, layout, torch_all_gather(self.ps.get_expert_model_parallel_group(), ep))
 
     # Mid-run checkpoints are refused for this backend when the config is validated
     # (trainer.save_freq); resuming would need the adapter put back into Megatron's TP shards.
@@ -439,47 +454,4 @@ class MegatronEngine:
         raise ConfigError(_NO_CHECKPOINTS)
 
 
-@contextlib.contextmanager
-def merged_lora_view(model: list):
-    """UNVERIFIED: LoRA merged into its base weights and the wrappers taken out of the tree.
-
-    For exporters that walk named_parameters() and know only plain Megatron names (mbridge).
-    Each base weight is backed up to CPU and restored on exit, so the bf16 base does not drift
-    from repeated merge/unmerge. Uses Megatron-Bridge's own LoRAMerge for the TP-aware product.
-    """
-    from megatron.bridge.peft.lora_merge import LoRAMerge
-    from megatron.core import parallel_state
-
-    merger = LoRAMerge()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module, torch.Tensor]] = []
-    try:
-        for chunk in model:
-            for parent in list(chunk.modules()):
-                for child_name, child in list(parent.named_children()):
-                    adapter = getattr(child, "adapter", None)
-                    base = getattr(child, "to_wrap", None)
-                    if base is None or adapter is None or not hasattr(adapter, "linear_in"):
-                        continue
-                    backup = base.weight.detach().to("cpu", copy=True)
-                    with torch.no_grad():
-                        merged = merger.merge(
-                            base.weight.float(),
-                            adapter.linear_out.weight.float(),
-                            adapter.linear_in.weight.float(),
-                            adapter.alpha,
-                            adapter.dim,
-                            tp_group=tp_group,
-                        )
-                        base.weight.copy_(merged.to(base.weight.dtype))
-                    setattr(parent, child_name, base)
-                    swapped.append((parent, child_name, child, base, backup))
-        yield model
-    finally:
-        for parent, child_name, wrapper, base, backup in reversed(swapped):
-            with torch.no_grad():
-                base.weight.copy_(backup.to(base.weight.device))
-            setattr(parent, child_name, wrapper)
-
-
-__all__ = ["MegatronEngine", "merged_lora_view", "check_right_padded"]
+__all__ = ["MegatronEngine", "check_right_padded"]

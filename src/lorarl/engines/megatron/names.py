@@ -1,11 +1,14 @@
-"""LoRA target names and bridge export names for the Megatron backend (Qwen2 and Qwen3 dense).
+"""LoRA target names and bridge export names for the Megatron backend (Qwen2, Qwen3, Qwen3-MoE).
 
 Pure Python, no Megatron import. Two jobs:
 - `resolve_lora_targets`: what a `model.lora.target_modules` list means for Megatron-Bridge's
   `LoRA` (fused linear_qkv / linear_fc1: one adapter covers q,k,v or gate,up) and
   `CanonicalLoRA` (one adapter per projection), and which HF projections the exported adapter
-  then covers. Only the seven linear projections take LoRA: embeddings, the output layer and
-  Qwen3's per-head `q_norm`/`k_norm` are base weights.
+  then covers. Only the seven linear projections take LoRA: embeddings, the output layer,
+  Qwen3's per-head `q_norm`/`k_norm` and a MoE router are base weights. On Qwen3-MoE,
+  gate/up/down (linear_fc1/linear_fc2) are the experts' projections.
+- `expert_lora_name` / `parse_expert_lora_name`: the per-expert PEFT names an expert adapter
+  travels under (lorarl.engines.megatron.experts says why this layout).
 - `normalize_adapter_names` / `normalize_base_names`: Megatron-Bridge 0.6.2's export names
   (`models/conversion/peft_bridge.py`, `model_bridge.py`) -> the names the vLLM rollout takes.
 
@@ -82,6 +85,12 @@ _FUSED_TO_HF = {
 }
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A Qwen3-MoE router under HF and Megatron names. vLLM's LoRA layers do not wrap the router
+# (a replicated linear feeding top-k), so an adapter on it could not be served.
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+
+
 @dataclass(frozen=True)
 class LoraTargets:
     """What a `model.lora.target_modules` list means on the Megatron backend."""
@@ -129,6 +138,11 @@ def _unmappable(name: str) -> str:
             f"model.lora.target_modules contains {name!r}: Qwen3's per-head q_norm/k_norm are base weights "
             f"(RMSNorm scales, not linears) and never carry LoRA; use {accepted}"
         )
+    if leaf in ROUTER_NAMES:
+        return (
+            f"model.lora.target_modules contains {name!r}: the MoE router cannot carry LoRA (vLLM serves no adapter "
+            f"on it); the experts' gate_proj/up_proj/down_proj and attention can; use {accepted}"
+        )
     if leaf in ("lm_head", "embed_tokens", "output_layer", "word_embeddings"):
         return (
             f"model.lora.target_modules contains {name!r}: embeddings and the output layer cannot carry LoRA "
@@ -144,15 +158,39 @@ def _unmappable(name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _LORA_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp)\.([a-z_]+))\.lora_([AB])\.weight$"
+    r"^(?:base_model\.model\.)?(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.experts\.\d+)\.([a-z_]+))"
+    r"\.lora_([AB])\.weight$"
 )
+_EXPERT_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
+    r"\.lora_([AB])\.weight$"
+)
+
+
+def expert_lora_name(layer: int, expert: int, projection: str, ab: str) -> str:
+    """PEFT key of one expert's LoRA tensor, e.g.
+    base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight (A [r, in], B [out, r],
+    full tensors: vLLM slices them for its own tensor parallelism)."""
+    if projection not in EXPERT_PROJECTIONS or ab not in ("A", "B"):
+        raise ValueError(f"expert LoRA needs one of {EXPERT_PROJECTIONS} and A or B, got {projection!r}, {ab!r}")
+    return f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{projection}.lora_{ab}.weight"
+
+
+def parse_expert_lora_name(name: str) -> tuple[int, int, str, str] | None:
+    """(layer, expert, projection, "A"|"B") of an expert LoRA key, None for any other key."""
+    m = _EXPERT_KEY.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
 
 
 def normalize_adapter_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Megatron-Bridge export_adapter_weights names -> PEFT names vLLM's LoRA parser takes.
 
     The bridge yields `model.layers.N.self_attn.q_proj.lora_A.weight` (HF module path, no PEFT
-    prefix; the same A tensor three times for fused qkv). vLLM wants
+    prefix; the same A tensor three times for fused qkv), and for Qwen3-MoE experts
+    `model.layers.N.mlp.experts.E.gate_proj.lora_A.weight` (its registry's per-expert HF
+    names; the same A for gate and up of one expert). vLLM wants
     `base_model.model.<module>.lora_A.weight` with per-projection modules only: fused
     `qkv_proj`/`gate_up_proj` (mbridge main's naming) would be rejected by vLLM, so they
     fail here with the tensor's name.
@@ -160,9 +198,11 @@ def normalize_adapter_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterat
     seen: set[str] = set()
     for name, tensor in named:
         m = _LORA_KEY.match(name)
-        if not m or m.group(2) not in HF_PROJECTIONS:
+        expert = ".experts." in name
+        if not m or m.group(2) not in (EXPERT_PROJECTIONS if expert else HF_PROJECTIONS):
             raise SyncError(
-                f"adapter export yielded {name!r}; expected model.layers.N.(self_attn|mlp).<q|k|v|o|gate|up|down>_proj.lora_A|B.weight"
+                f"adapter export yielded {name!r}; expected model.layers.N.(self_attn|mlp|mlp.experts.E)."
+                "<q|k|v|o|gate|up|down>_proj.lora_A|B.weight"
             )
         key = f"{PEFT_PREFIX}{m.group(1)}.lora_{m.group(3)}.weight"
         if key in seen:
@@ -198,8 +238,12 @@ __all__ = [
     "FUSED_TARGETS",
     "CANONICAL_TARGETS",
     "LORA_TYPES",
+    "EXPERT_PROJECTIONS",
+    "ROUTER_NAMES",
     "LoraTargets",
     "resolve_lora_targets",
+    "expert_lora_name",
+    "parse_expert_lora_name",
     "normalize_adapter_names",
     "normalize_base_names",
 ]

@@ -1,0 +1,208 @@
+"""What the machine was doing around a timed run: GPU clocks, temperature, power and memory
+(nvidia-smi, so the bench process never holds a CUDA context), host load and free memory.
+
+Two runs of one command in one lease differed by 20% (7B step 4.66 vs 5.59 s); these records
+are what tells a slower GPU (clocks, temperature, power cap) from a busier host (load, memory)
+or the run before still leaving (GPU memory in use at the start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+# nvidia-smi --query-gpu fields; one unknown field fails the whole query, so the driver's
+# older name for the throttle reasons is tried when the newer one is refused.
+GPU_FIELDS = (
+    "clocks.sm",
+    "clocks.mem",
+    "clocks.max.sm",
+    "temperature.gpu",
+    "power.draw",
+    "power.limit",
+    "utilization.gpu",
+    "memory.used",
+    "memory.free",
+    "pstate",
+)
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+# Microseconds since the driver loaded that each cause held the clocks below the requested ones
+# (driver 580 on the H200 has them); a run's share is the difference across it.
+SLOWDOWN_COUNTERS = tuple(
+    f"clocks_event_reasons_counters.{c}"
+    for c in ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sync_boost")
+)
+SAMPLED = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "utilization.gpu", "memory.used")
+
+
+def _number(text: str) -> float | str | None:
+    text = text.strip()
+    if not text or text.startswith("[") or text in ("N/A", "Not Supported"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def nvidia_smi(fields: tuple[str, ...]) -> dict | None:
+    """One nvidia-smi reading of the first GPU, or None without a working nvidia-smi."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    values = out.stdout.strip().splitlines()[0].split(",")
+    return dict(zip(fields, map(_number, values))) if len(values) == len(fields) else None
+
+
+def gpu_state() -> dict | None:
+    for reasons in REASON_FIELDS:
+        state = nvidia_smi((*GPU_FIELDS, reasons))
+        if state is not None:
+            state["clock_reasons"] = state.pop(reasons)
+            return state
+    return nvidia_smi(GPU_FIELDS)
+
+
+def gpu_memory_used_mib() -> int | None:
+    state = nvidia_smi(("memory.used",))
+    return None if state is None or state["memory.used"] is None else int(state["memory.used"])
+
+
+def wait_for_free_gpu(limit_mib: int = 2048, timeout_s: float = 180.0) -> tuple[int | None, float]:
+    """(GPU memory in use, seconds waited) once at most `limit_mib` is in use or after `timeout_s`.
+
+    A process of the run before (a TRL worker outliving its killed launcher) can still be
+    releasing memory, and vLLM refuses to start when free memory grows during its profile."""
+    t0 = time.perf_counter()
+    used = gpu_memory_used_mib()
+    while used is not None and used > limit_mib and time.perf_counter() - t0 < timeout_s:
+        time.sleep(2.0)
+        used = gpu_memory_used_mib()
+    return used, time.perf_counter() - t0
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat), None where it is absent."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def mem_available_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_state() -> dict:
+    """The host and GPU right now: what is recorded before and after every run."""
+    return {
+        "time": time.strftime("%H:%M:%S"),
+        "loadavg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "mem_available_gib": mem_available_gib(),
+        "gpu": gpu_state(),
+        "slowdown_us": nvidia_smi(SLOWDOWN_COUNTERS),
+    }
+
+
+def slowdown_s(before: dict, after: dict) -> dict | None:
+    """Seconds each cause held the GPU's clocks down between two host_state() readings."""
+    b, a = before.get("slowdown_us"), after.get("slowdown_us")
+    if not b or not a:
+        return None
+    return {
+        key.rsplit(".", 1)[1]: (a[key] - b[key]) / 1e6
+        for key in SLOWDOWN_COUNTERS
+        if isinstance(a.get(key), float) and isinstance(b.get(key), float)
+    }
+
+
+def _spread(values: list[float]) -> dict | None:
+    values = [v for v in values if isinstance(v, float)]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+class Sampler:
+    """Samples the host's CPU busy share and the GPU's clocks, temperature, power and use every
+    `interval_s` seconds in a thread while a run goes on; `summary()` gives min/median/max of each."""
+
+    def __init__(self, interval_s: float = 1.0, gpu: bool = True):
+        self.interval_s = interval_s
+        self.gpu = gpu
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        last = cpu_times()
+        while not self._stop.wait(self.interval_s):
+            sample: dict = {}
+            now = cpu_times()
+            if last and now and now[1] > last[1]:
+                sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])
+            last = now
+            if self.gpu:
+                sample.update(nvidia_smi(SAMPLED) or {})
+            self.samples.append(sample)
+
+    def summary(self) -> dict:
+        keys = ("cpu_busy", *SAMPLED) if self.gpu else ("cpu_busy",)
+        return {
+            "interval_s": self.interval_s,
+            "samples": len(self.samples),
+            **{key: _spread([s.get(key) for s in self.samples]) for key in keys},
+        }
+
+
+def run_logged(cmd: list[str], cwd: Path, env: dict, timeout: int, log: Path) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group with stdout+stderr into `log`; on timeout the whole
+    group gets SIGTERM (lorarl shuts vLLM and Ray down on it), then SIGKILL after 30 s, so no
+    engine is left holding GPU memory for the next run. Returns (exit code or None, log text)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+    return code, log.read_text(errors="replace")
