@@ -199,7 +199,7 @@ def test_qwen_presets_micro_batch_by_a_budget_that_shrinks_with_size(hydra_compo
 def test_embedded_models_name_their_builder(hydra_compose, model):
     run = to_run_config(hydra_compose(["+backend=fsdp", f"model={model}"]))
     assert run.model.builder == f"tiny_{model.split('_')[0]}" and run.model.path.endswith(f"/{model}")
-    assert run.model.dtype == "float32" and run.model.lora.rank == 16 and run.actor.optim.lr == 5e-4
+    assert run.model.dtype == "float32" and run.model.lora.rank == 16 and run.actor.optim.lr == 7e-4
 
 
 @pytest.mark.parametrize(
@@ -373,6 +373,7 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["data.train_batch_size=0"], "data.train_batch_size=0 must be > 0"),
         (["data.max_prompt_length=0"], "data.max_prompt_length and data.max_response_length must be > 0"),
         (["rollout.adapter_transport=pipe"], "rollout.adapter_transport='pipe' is not valid"),
+        (["data.train_files=[a.parquet,3]"], "data.train_files=['a.parquet', 3]: give one string or a list"),
     ],
 )
 def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
@@ -380,6 +381,26 @@ def test_invalid_combinations_name_the_key(hydra_compose, overrides, needle):
         to_run_config(hydra_compose(["+backend=fsdp", *overrides]))
     msg = str(err.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_list_keys_take_one_string_as_verl_does(hydra_compose):
+    """verl's launches write data.train_files=$HOME/data/gsm8k/train.parquet, target_modules=all-linear."""
+    run = to_run_config(
+        hydra_compose(
+            [
+                "+backend=fsdp",
+                "data=gsm8k",
+                "data.train_files=/data/gsm8k/train.parquet",
+                "data.val_files=[/data/gsm8k/test.parquet,/data/math/test.parquet]",
+                "model.lora.target_modules=all-linear",
+                "trainer.logger=console",
+            ]
+        )
+    )
+    assert run.data.train_files == ["/data/gsm8k/train.parquet"]
+    assert run.data.val_files == ["/data/gsm8k/test.parquet", "/data/math/test.parquet"]
+    assert run.model.lora.target_modules == ["all-linear"]
+    assert run.trainer.logger == ["console"]
 
 
 def test_rollout_tensor_parallel_groups_of_one_node(hydra_compose):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_metrics import assert_described
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -43,11 +45,19 @@ def cache(run_cache) -> Path:
     return run_cache
 
 
+def logged_keys(run_dir: Path) -> set[str]:
+    return {k for line in (run_dir / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+
+
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
-    """If rollouts did not use the trained adapter, reward could not climb: this is the proof."""
+    """If rollouts did not use the trained adapter, reward could not climb: this is the proof.
+    The data files are given as verl's launches give them, one path as a string."""
+    data = cache / "data" / "arith_v2_n1024"
     out = grpo(
         tmp_path / "run",
         cache,
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/val.parquet",
         "trainer.total_steps=40",
         "trainer.device=cpu",
         "trainer.val_before_train=true",
@@ -61,6 +71,7 @@ def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     assert {"val/arith/reward/mean", "val/arith/acc/mean@1", "val/arith/acc/pass@1"} <= vals[0].keys()
     assert 0.0 < vals[0]["val/acc"] < 1.0
     assert len(rows) == 40
+    assert_described(logged_keys(tmp_path / "run"), "the default run")
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
@@ -185,6 +196,7 @@ def test_resume_matches_an_uninterrupted_run(cache, tmp_path):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert ckpts == ["global_step_2", "global_step_4"]
+    assert_described(logged_keys(tmp_path / "b"), "a resumed run with checkpoints")
 
 
 def test_multirun_folders_and_summary(cache, tmp_path):
@@ -259,6 +271,7 @@ def test_algorithm_presets_learn(algorithm, extra, cache, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-5000:]
     rows = metrics(tmp_path / "run")
+    assert_described(logged_keys(tmp_path / "run"), f"algorithm={algorithm}")
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.03, f"{algorithm}: reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"

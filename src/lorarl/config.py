@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -87,12 +88,32 @@ class RunConfig:
 
 GROUPS = ("model", "data", "rollout", "actor", "algorithm", "trainer", "backend", "reward")
 
+# List-typed keys that verl also takes as one string (`data.train_files=train.parquet`,
+# `target_modules=all-linear`, `trainer.logger=console`). Their schema type is Any so Hydra
+# accepts both spellings; `as_string_lists` makes them lists of strings before anything reads them.
+STRING_OR_LIST_KEYS = ("data.train_files", "data.val_files", "model.lora.target_modules", "trainer.logger")
+
+
+def as_string_lists(obj: Any) -> None:
+    """Turn each STRING_OR_LIST_KEYS value of a GRPOConfig object into a list of strings."""
+    for key in STRING_OR_LIST_KEYS:
+        section, *path, leaf = key.split(".")
+        parent = getattr(obj, section)
+        for name in path:
+            parent = getattr(parent, name)
+        value = getattr(parent, leaf)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{key}={value!r}: give one string or a list of strings, e.g. {key}=[a,b]")
+        setattr(parent, leaf, list(items))
+
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Typed config from a composed one, after every group's own checks and the cross-group ones."""
     if "backend" not in cfg or OmegaConf.is_missing(cfg, "backend"):
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
+    as_string_lists(obj)
     run = RunConfig(**{k: getattr(obj, k) for k in GROUPS})
     validate(run)
     return run

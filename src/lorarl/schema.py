@@ -81,8 +81,9 @@ class LoraConfig:
     rank: int = MISSING
     alpha: int = MISSING
     dropout: float = MISSING
-    # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...).
-    target_modules: list[str] = MISSING
+    # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...). One
+    # name or a list (see lorarl.config.STRING_OR_LIST_KEYS).
+    target_modules: Any = MISSING
     # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
     # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
     target_parameters: list[str] = MISSING
@@ -138,8 +139,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = MISSING
-    val_files: list[str] = MISSING
+    # One parquet path or a list, as verl takes them (see lorarl.config.STRING_OR_LIST_KEYS).
+    train_files: Any = MISSING
+    val_files: Any = MISSING
     # "arith": the files are written by the embedded task generator when missing.
     generator: str | None = MISSING
     generator_size: int | None = MISSING
@@ -324,7 +326,8 @@ class TrainerConfig:
     save_freq: int = MISSING
     test_freq: int = MISSING
     val_before_train: bool = MISSING
-    logger: list[str] = MISSING
+    # One name or a list (see lorarl.config.STRING_OR_LIST_KEYS).
+    logger: Any = MISSING
     project_name: str = MISSING
     experiment_name: str = MISSING
     nnodes: int = MISSING

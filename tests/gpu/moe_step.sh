@@ -34,9 +34,10 @@ $PY - "$RUN/metrics.jsonl" "$OUT/moe_step.json" "$M" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 keep = ("step", "timing/", "sync/", "perf/", "reward/")
-steps = [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "step" in r]
+steps = [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "sync/kind" in r]
 info = json.load(open(sys.argv[3] + "/shaped_model.json"))
-match = [s.get("sync/adapter_match", s.get("sync/weights_match")) for s in steps]
+# Step 0 is the validation row before training: no sync happened there.
+match = [s.get("sync/adapter_match", s.get("sync/weights_match")) for s in steps if s.get("step", 0) >= 1]
 json.dump({"model": info, "steps": steps, "all_synced_matched": bool(steps) and all(m == 1.0 for m in match)},
           open(sys.argv[2], "w"), indent=1)
 for s in steps:
@@ -47,7 +48,7 @@ PY
 if [ "${SHAPE:-gpu}" != tiny ] && [ "${TRL:-1}" = 1 ]; then
   DATA=$(ls "$LORARL_CACHE"/data/arith_*/train.parquet | head -1)
   timeout ${TRL_S:-140} $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m tests.gpu.moe_trl_peer \
-    --model "$M" --train-parquet "$DATA" --steps ${TRL_STEPS:-4} --prompts ${PROMPTS:-16} --n 8 --max-tokens 128 --device cuda --dtype bfloat16 \
+    --model "$M" --train-parquet "$DATA" --steps ${TRL_STEPS:-4} --prompts ${PROMPTS:-16} --samples 8 --max-tokens 128 --device cuda --dtype bfloat16 \
     --rank 16 --alpha 32 --lr 1e-5 --beta 0 --micro-batch 32 --vllm-gpu-memory-utilization 0.35 \
     --max-model-len 512 --out "$OUT/trl_moe.json" > "$OUT/trl_moe.log" 2>&1
   echo "trl rc=$? log=$OUT/trl_moe.log"

@@ -1,0 +1,57 @@
+"""The metrics page is generated from lorarl.metrics.METRICS, and every key a run logs is in it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lorarl.metrics import METRICS, describe, markdown, undescribed
+
+ROOT = Path(__file__).resolve().parents[1]
+HOW_TO_ADD = (
+    "add Metric(key, meaning, unit, side) for each to METRICS in src/lorarl/metrics.py, "
+    "then run: python -m lorarl.metrics > docs/metrics.md"
+)
+
+
+def logged_keys(path: Path) -> set[str]:
+    return {k for line in path.read_text().splitlines() for k in json.loads(line)}
+
+
+def assert_described(keys: set[str], where: str) -> None:
+    missing = undescribed(keys)
+    assert not missing, f"{where} logs {missing}, which the metrics page does not describe: {HOW_TO_ADD}"
+
+
+def test_metrics_page_is_generated_from_the_list():
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    assert page == markdown(), "docs/metrics.md is stale: run python -m lorarl.metrics > docs/metrics.md"
+    assert len({m.key for m in METRICS}) == len(METRICS), "METRICS lists a key twice"
+
+
+@pytest.mark.parametrize(
+    "key, family",
+    [
+        ("val/openai/gsm8k/acc_verl/pass@4", "val/{source}/{scorer}/pass@{k}"),
+        ("val/arith/acc/mean@1", "val/{source}/{scorer}/mean@{n}"),
+        ("init/sync/bytes", "sync/bytes"),
+        ("init/timing/wake", "timing/wake"),
+        ("init/num_nodes", "init/num_nodes"),
+    ],
+)
+def test_families_and_the_first_sync_prefix(key, family):
+    assert describe(key).key == family
+
+
+def test_unknown_keys_are_reported():
+    assert undescribed(["reward/mean", "reward/median", "sync/nonsense"]) == ["reward/median", "sync/nonsense"]
+
+
+def test_keys_of_the_recorded_gpu_runs_are_described():
+    """The GPU recipe runs (FSDP and Megatron on 2 GPUs) log memory/* and timing/wake, which CPU runs do not."""
+    logs = sorted((ROOT / "tests" / "gpu_logs").rglob("metrics.jsonl"))
+    assert logs, "no recorded GPU metrics.jsonl under tests/gpu_logs"
+    for log in logs:
+        assert_described(logged_keys(log), str(log.relative_to(ROOT)))
