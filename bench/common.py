@@ -141,9 +141,9 @@ def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Where benchmark models live: --cache, else $LORARL_CACHE, else ~/.cache/lorarl."""
     if explicit:
         return Path(explicit).expanduser().absolute()
-    from lorarl.models.tiny import default_cache_dir
+    from lorarl.schema import cache_dir as lorarl_cache
 
-    return default_cache_dir().expanduser().absolute()
+    return Path(lorarl_cache()).absolute()
 
 
 def tiny_model(cache: Path) -> Path:
@@ -334,3 +334,13 @@ def gpu_args(name: str, description: str, argv: list[str] | None) -> argparse.Na
     if found < args.world:
         raise SystemExit(f"{name} needs {args.world} CUDA GPUs; found {found}")
     return args
+
+
+def ppo_step(engine, batch, step: int) -> dict:
+    """One PPO update as the worker runs it (lorarl.ppo.ppo_update) on an engine built from a run."""
+    from lorarl.ppo import Correction, ppo_update
+    from lorarl.trainer import sampling_of
+
+    run = engine.run
+    correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)

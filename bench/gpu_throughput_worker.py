@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.common import ppo_step
 from bench.export_gather_worker import max_over_ranks
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig, compose
@@ -107,7 +108,7 @@ def main() -> None:
         engine.pad_token_id,
         advantages=(torch.randn(args.batch, generator=gen)).tolist(),
     )
-    batch.old_logp = engine.log_probs(batch)
+    batch.old_logp = engine.log_probs(batch, temperature=engine.run.rollout.temperature)
     batch.ref_logp = batch.old_logp.clone()  # the KL term's cost is the same for any reference
 
     if on_gpu:
@@ -117,7 +118,7 @@ def main() -> None:
         dist.barrier()
         synchronize()
         t0 = time.perf_counter()
-        engine.update(batch, step=k + 1)
+        ppo_step(engine, batch, k + 1)
         synchronize()
         seconds = max_over_ranks(time.perf_counter() - t0)
         if k >= args.warmup:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import cache_dir, shaped_model, tiny_model
+from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
 from bench.step_rows import mfu, param_count
 from lorarl.batch import build_batch
 from lorarl.config import compose
@@ -87,8 +87,10 @@ def timed(call, warmup: int, repeats: int) -> tuple[list[float], object]:
 
 def time_variant(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
     """(update seconds, the last update's metrics, reference-pass seconds)."""
-    updates, metrics = timed(lambda k: engine.update(batch, step=k), warmup, repeats)
-    reference, _ = timed(lambda _: engine.log_probs(batch, reference=True), 1, repeats)
+    updates, metrics = timed(lambda k: ppo_step(engine, batch, k), warmup, repeats)
+    reference, _ = timed(
+        lambda _: engine.log_probs(batch, temperature=engine.run.rollout.temperature, reference=True), 1, repeats
+    )
     return updates, metrics, reference
 
 
@@ -112,7 +114,7 @@ def trace_syncs(engine: FSDPEngine, batch) -> dict[str, int]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            engine.update(batch, step=101)
+            ppo_step(engine, batch, 101)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sites.most_common(40))
@@ -141,7 +143,7 @@ def profile_update(engine: FSDPEngine, batch, on_gpu: bool, stem: Path, result: 
     with profile(activities=activities) as prof:
         synchronize()
         t0 = time.perf_counter()
-        engine.update(batch, step=100)
+        ppo_step(engine, batch, 100)
         synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()

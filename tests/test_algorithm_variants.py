@@ -64,12 +64,12 @@ def test_overlong_penalty_and_group_filter():
     assert A.overlong_penalty(80, 100, 20, 1.0) == 0.0
     assert A.overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
     assert A.overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
-    from lorarl.trainer import Group
+    from lorarl.trainer import PromptGroup
 
-    groups = [Group(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
+    groups = [PromptGroup(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
     assert [g.has_signal() for g in groups] == [False, True, False]
     # acc reads the reward function's values: equal scores, different overlong penalties
-    g = Group(None, [[1]] * 2, [[0.0]] * 2, [1.0, 0.5], scores=[1.0, 1.0], overlong=[0.0, -0.5])
+    g = PromptGroup(None, [[1]] * 2, [[0.0]] * 2, [1.0, 0.5], scores=[1.0, 1.0], overlong=[0.0, -0.5])
     assert g.has_signal("seq_final_reward") and not g.has_signal("acc")
 
 
@@ -90,7 +90,7 @@ def test_overlong_penalty_and_group_filter():
 )
 def test_algorithm_presets_compose(name, expect):
     run = compose(["+backend=fsdp", f"algorithm={name}"])
-    assert (run.clip_low, run.clip_high) == pytest.approx((expect["clip_low"], expect["clip_high"]))
+    assert (run.actor.clip_low, run.actor.clip_high) == pytest.approx((expect["clip_low"], expect["clip_high"]))
     assert run.actor.loss_agg_mode == expect["loss_agg_mode"]
     assert run.actor.use_kl_loss is expect["use_kl_loss"]
     assert run.algorithm.norm_adv_by_std_in_grpo is expect["norm"]

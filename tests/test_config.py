@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -116,22 +117,73 @@ QWEN_PRESETS = [o for o in options("model") if o.startswith("qwen") and not o.en
 
 @pytest.mark.parametrize("model", QWEN_PRESETS)
 def test_qwen_model_presets_are_the_shared_base_plus_size_dependent_keys(model):
-    """A preset holds what depends on the model's size: path, learning rate, token budget per
-    micro-batch, and (for the sizes that need it) activation checkpointing."""
+    """A model preset holds what depends on the model: its path and (for the sizes that need it)
+    activation checkpointing; how it trains sits in conf/tuning/model/<model>.yaml."""
     body = OmegaConf.load(CONF / "model" / f"{model}.yaml")
     assert list(body.pop("defaults")) == ["/model_base/qwen_lora", "_self_"]
     keys = set(_flat(OmegaConf.to_container(body)))
-    assert {"model.path", "actor.optim.lr", "actor.ppo_max_token_len_per_gpu"} <= keys
-    # MoE presets also say which weights get LoRA (the experts through target_parameters) and
-    # the rank that keeps expert LoRA's optimizer state affordable.
-    moe = {"model.lora.rank", "model.lora.alpha", "model.lora.target_modules", "model.lora.target_parameters"}
-    assert keys <= {
-        "model.path",
-        "actor.optim.lr",
-        "actor.ppo_max_token_len_per_gpu",
-        "model.enable_gradient_checkpointing",
-        *(moe if "model.lora.target_parameters" in keys else ()),
-    }
+    assert {k for k in keys if not k.startswith("model.lora.")} <= {"model.path", "model.enable_gradient_checkpointing"}
+    tuning = OmegaConf.load(CONF / "tuning" / "model" / f"{model}.yaml")
+    assert list(tuning.pop("defaults")) == ["qwen_lora", "_self_"]
+    assert set(_flat(OmegaConf.to_container(tuning))) == {"actor.optim.lr", "actor.ppo_max_token_len_per_gpu"}
+
+
+def _schema_values(schema: type, prefix: str = "") -> dict:
+    """Every field of a schema dataclass (nested ones walked) that has a value other than MISSING."""
+    out = {}
+    for f in dataclasses.fields(schema):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            out.update(_schema_values(f.default_factory, f"{prefix}{f.name}."))
+        elif f.default_factory is not dataclasses.MISSING or f.default != "???":
+            out[f"{prefix}{f.name}"] = f.default
+    return out
+
+
+def test_schemas_hold_no_values_the_yaml_holds_them_all(hydra_compose):
+    """One source of defaults: a value written in a schema (lorarl.schema) competes with its YAML
+    group; every schema key is MISSING there, and the default composition sets every one."""
+    from lorarl.schema import GRPOConfig
+    from lorarl.schema_backends import FSDPBackendConfig as F
+    from lorarl.schema_backends import MegatronBackendConfig as M
+
+    for schema in (GRPOConfig, F, M):
+        valued = _schema_values(schema)
+        assert not valued, f"{schema.__name__} carries values that belong in conf/: {valued}"
+    for backend in ("fsdp", "megatron"):
+        cfg = hydra_compose([f"+backend={backend}"])
+        unset = [k for k, v in _flat(OmegaConf.to_container(cfg, resolve=False)).items() if v == "???"]
+        assert not unset, f"+backend={backend}: no YAML sets {unset}"
+
+
+# Groups whose options write other groups' keys, and which ones: the algorithm is its loss, which
+# lives under actor (verl's layout). Everything else writes only its own group.
+CROSS_GROUP = {"algorithm": {"algorithm", "actor"}}
+
+
+@pytest.mark.parametrize("group", ["model", "model_base", "data", "rollout", "algorithm", "reward", "backend"])
+def test_each_group_writes_only_its_own_keys(group):
+    for path in sorted((CONF / group).glob("*.yaml")):
+        text = path.read_text()
+        body = OmegaConf.load(path)
+        body.pop("defaults", None)
+        if "@package _global_" not in text:
+            continue  # written into its own package by Hydra
+        own = "model" if group == "model_base" else group
+        written = set(body.keys())
+        assert written <= CROSS_GROUP.get(group, {own}), f"{path} writes {sorted(written)}; keep to {own}"
+
+
+def test_tiny_tuning_goes_with_the_tiny_model_on_the_sums_only(hydra_compose):
+    """The default run's tuning (conf/tuning/task/qwen2_tiny_arith.yaml) applies to that pair only:
+    the tiny model on other data is not capped at its 96 steps, nor sampled at its temperature."""
+    default = hydra_compose(["+backend=fsdp"])
+    assert default.trainer.total_steps == 96 and default.rollout.temperature == 0.4
+    assert hydra_compose(["+backend=fsdp", "model=qwen3_tiny"]).trainer.total_steps == 96
+    for overrides in (["data=gsm8k"], ["model=qwen3_tiny", "data=math_sample"]):
+        other = hydra_compose(["+backend=fsdp", *overrides])
+        assert other.trainer.total_steps is None and other.rollout.temperature == 1.0, overrides
+    # The order of the defaults list no longer matters for it: a command-line value still wins.
+    assert hydra_compose(["+backend=fsdp", "rollout.temperature=0.7"]).rollout.temperature == 0.7
 
 
 def test_qwen_presets_micro_batch_by_a_budget_that_shrinks_with_size(hydra_compose):
@@ -317,6 +369,10 @@ def test_missing_backend_is_one_line_naming_both(hydra_compose):
         (["trainer.check_sync_tolerance=0"], "trainer.check_sync_tolerance"),
         (["model.builder=tiny_llama"], "model.builder='tiny_llama' is not valid; use null or one of: tiny_qwen2"),
         (["rollout.temperature=0"], "rollout.temperature"),
+        (["data.truncation=middle"], "data.truncation='middle' is not valid"),
+        (["data.train_batch_size=0"], "data.train_batch_size=0 must be > 0"),
+        (["data.max_prompt_length=0"], "data.max_prompt_length and data.max_response_length must be > 0"),
+        (["rollout.adapter_transport=pipe"], "rollout.adapter_transport='pipe' is not valid"),
         (["data.train_files=[a.parquet,3]"], "data.train_files=['a.parquet', 3]: give one string or a list"),
     ],
 )
@@ -369,7 +425,10 @@ def test_megatron_checks(hydra_compose):
         )
     with pytest.raises(ConfigError, match="mbridge"):
         to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
-    run = to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
+    mbridge = ["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]
+    with pytest.raises(ConfigError, match="mbridge maps TransformerEngine layer names only"):
+        to_run_config(hydra_compose(mbridge))
+    run = to_run_config(hydra_compose([*mbridge, "backend.transformer_impl=transformer_engine"]))
     assert run.model.lora.merge
     # Tensor-parallel ranks share a replica: batch sizes divide over replicas, not devices.
     run = to_run_config(
@@ -418,3 +477,10 @@ def test_cli_without_backend_fails_with_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert "+backend=fsdp" in last and "+backend=megatron" in last
     assert "Traceback" not in out.stderr
+
+
+def test_layered_summon_is_an_fsdp_gather(hydra_compose):
+    """The Megatron engine exports through its bridge; a layered gather it cannot do is refused."""
+    with pytest.raises(ConfigError, match=r"rollout\.layered_summon=true gathers the adapter one FSDP unit"):
+        to_run_config(hydra_compose(["+backend=megatron", "rollout.layered_summon=true"]))
+    assert to_run_config(hydra_compose(["+backend=fsdp", "rollout.layered_summon=true"])).rollout.layered_summon

@@ -13,7 +13,7 @@ from lorarl.data.dataset import (
     load_rows,
     write_parquet,
 )
-from lorarl.errors import ConfigError, DataError
+from lorarl.errors import DataError
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -151,9 +151,8 @@ def test_all_filtered_is_an_error(tokenizer):
         build_prompts(_rows(["What is 1 + 2?"]), tokenizer, 3, filter_overlong_prompts=True)
 
 
-def test_bad_truncation_and_bad_prompt(tokenizer):
-    with pytest.raises(ConfigError, match=r"data\.truncation"):
-        build_prompts(_rows(["hi"]), tokenizer, 64, False, truncation="middle")
+def test_bad_prompt(tokenizer):
+    # data.truncation itself is checked by the config (tests/test_config.py).
     rows = _rows(["ok"])
     rows[0]["prompt"] = "a bare string"
     with pytest.raises(DataError, match="row 0"):
@@ -224,8 +223,6 @@ def test_loader_resume_matches_uninterrupted_run():
 def test_loader_errors():
     with pytest.raises(DataError, match=r"data\.train_batch_size=11"):
         PromptLoader(_items(10), batch_size=11, shuffle=False, seed=0)
-    with pytest.raises(ConfigError, match=r"data\.train_batch_size"):
-        PromptLoader(_items(10), batch_size=0, shuffle=False, seed=0)
     loader = PromptLoader(_items(10), batch_size=5, shuffle=False, seed=0)
     with pytest.raises(DataError, match=r"data\.train_batch_size"):
         loader.load_state_dict({"epoch": 0, "batch_in_epoch": 2})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lorarl.config import RewardConfig
+from lorarl.config import RewardConfig, load_group
 from lorarl.data.dataset import PromptItem
 from lorarl.evaluation import accuracy, k_values, pass_at_k, validation_metrics
 
@@ -62,7 +62,7 @@ def test_validation_metrics_per_source_with_both_gsm8k_scorers():
         [r"\boxed{0.5}", "no box"],  # 1 of 2
         ["9", "9"],
     ]
-    out = validation_metrics(items, texts, RewardConfig())
+    out = validation_metrics(items, texts, load_group(RewardConfig, "reward/default"))
     g = "val/openai/gsm8k"
     assert out[f"{g}/acc/mean@2"] == pytest.approx((2 / 2 + 0 / 2) / 2)
     assert out[f"{g}/acc/pass@2"] == pytest.approx((1 + 0) / 2)
@@ -80,12 +80,17 @@ def test_validation_metrics_per_source_with_both_gsm8k_scorers():
 
 
 def test_validation_metrics_with_verl_as_the_configured_scorer():
-    reward = RewardConfig()
+    reward = load_group(RewardConfig, "reward/default")
     reward.gsm8k.scoring = "verl"
     out = validation_metrics([item("gsm8k", "72")], [["#### 72.00"]], reward)
     assert out["val/gsm8k/acc/mean@1"] == 0.0 and out["val/gsm8k/acc_verl/mean@1"] == 0.0
     assert out["val/gsm8k/acc_flexible/mean@1"] == 0.0  # verl flexible reads "72.00"
-    assert validation_metrics([item("gsm8k", "72")], [["#### 72.00"]], RewardConfig())["val/gsm8k/acc/mean@1"] == 1.0
+    assert (
+        validation_metrics([item("gsm8k", "72")], [["#### 72.00"]], load_group(RewardConfig, "reward/default"))[
+            "val/gsm8k/acc/mean@1"
+        ]
+        == 1.0
+    )
 
 
 def test_validation_metrics_with_a_custom_reward_still_logs_verl_accuracy(tmp_path, monkeypatch):
@@ -93,10 +98,14 @@ def test_validation_metrics_with_a_custom_reward_still_logs_verl_accuracy(tmp_pa
         "def fn(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    out = validation_metrics([item("gsm8k", "72")], [["#### 71"]], RewardConfig(), custom="always_one:fn")
+    out = validation_metrics(
+        [item("gsm8k", "72")], [["#### 71"]], load_group(RewardConfig, "reward/default"), custom="always_one:fn"
+    )
     assert out["val/gsm8k/acc/mean@1"] == 1.0 and out["val/gsm8k/acc_verl/mean@1"] == 0.0
 
 
 def test_validation_metrics_needs_one_response_list_per_prompt():
     with pytest.raises(ValueError, match="2 prompts but 1"):
-        validation_metrics([item("arith", "1"), item("arith", "2")], [["1"]], RewardConfig())
+        validation_metrics(
+            [item("arith", "1"), item("arith", "2")], [["1"]], load_group(RewardConfig, "reward/default")
+        )

@@ -244,11 +244,6 @@ def test_wrong_keyword_would_fail(mb_api):
         obj.export_hf_weights([], merge_adapters=False)
 
 
-def test_make_bridge_unknown_name():
-    with pytest.raises(ConfigError, match="backend.bridge='nope' is not valid; use one of: megatron_bridge, mbridge"):
-        B.make_bridge("nope", "/nonexistent")
-
-
 # ---------------------------------------------------------------------------------------------
 # Qwen3
 # ---------------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.config import LoraConfig, MegatronBackendConfig
+from lorarl.config import LoraConfig, MegatronBackendConfig, check_model_shape, compose, load_group
 from lorarl.engines.megatron import config_map as C
 from lorarl.errors import ConfigError
+from tests.megatron_checks import check_megatron
 from tests.megatron_source import Sources, sources_or_skip
 
 
@@ -33,12 +34,13 @@ def lora(**kw):
         "type": "lora",
         "init_A": "kaiming",
         "merge": False,
+        "target_parameters": [],
     }
     return LoraConfig(**{**base, **kw})
 
 
 def backend(**kw):
-    return dataclasses.replace(MegatronBackendConfig(), **kw)
+    return dataclasses.replace(load_group(MegatronBackendConfig, "backend/megatron"), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def test_peft_spec_lora():
 
 def test_peft_spec_canonical_from_dataclass():
     spec = C.peft_spec(
-        LoraConfig(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora")
+        lora(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "linear_fc1"], type="canonical_lora")
     )
     assert spec.class_name == "CanonicalLoRA"
     assert spec.kwargs["target_modules"] == ["linear_q", "linear_v", "linear_fc1_up", "linear_fc1_gate"]
@@ -106,9 +108,9 @@ def test_init_methods_are_those_megatron_bridge_accepts(src):
         ({"target_modules": ["lm_head"]}, "model.lora.target_modules"),
     ],
 )
-def test_peft_spec_rejects(bad, key):
+def test_lora_settings_are_checked(bad, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-        C.peft_spec(lora(**bad))
+        check_megatron(lora(**bad), backend())
     assert "\n" not in str(e.value)
 
 
@@ -214,7 +216,7 @@ def test_override_keys_overlapping_backend_keys_rejected():
         ConfigError,
         match=r"backend\.override_transformer_config\.tensor_model_parallel_size duplicates backend\.tensor_model_parallel_size",
     ):
-        C.check_megatron(lora(), backend(override_transformer_config={"tensor_model_parallel_size": 2}))
+        check_megatron(lora(), backend(override_transformer_config={"tensor_model_parallel_size": 2}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,14 +227,14 @@ MODEL = {"num_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, 
 
 
 def test_defaults_and_real_shapes_pass():
-    C.check_megatron(LoraConfig(), MegatronBackendConfig(), **MODEL, world_size=1)
-    C.check_megatron(
+    check_megatron(lora(), backend(), **MODEL, world_size=1)
+    check_megatron(
         lora(rank=64),
         backend(tensor_model_parallel_size=2, sequence_parallel=True, transformer_impl="transformer_engine"),
         **MODEL,
         world_size=4,
     )
-    C.check_megatron(
+    check_megatron(
         lora(),
         backend(
             pipeline_model_parallel_size=4,
@@ -243,7 +245,7 @@ def test_defaults_and_real_shapes_pass():
         **MODEL,
         world_size=8,
     )
-    C.check_megatron(lora(), backend(recompute_granularity="selective"), **MODEL)
+    check_megatron(lora(), backend(recompute_granularity="selective"), **MODEL)
 
 
 # The published Qwen3 dense configs (config.json on the hub): layers, heads, KV heads, vocab.
@@ -263,7 +265,7 @@ def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
     it shows FSDP) composes and passes every Megatron check against the model's real shape."""
     import shlex
 
-    from lorarl.config import CONF_DIR, check_model_shape, compose
+    from lorarl.config import CONF_DIR
 
     header = (Path(CONF_DIR) / "model" / f"{preset}.yaml").read_text()
     launch = next(line.split("Launch:", 1)[1] for line in header.splitlines() if "Launch:" in line)
@@ -273,16 +275,7 @@ def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
         args += ["backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
     run = compose(args)
     layers, heads, kv_heads = QWEN3_SHAPES[preset]
-    check_model_shape(run, heads, kv_heads)
-    C.check_megatron(
-        run.model.lora,
-        run.backend,
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=151936,
-        world_size=run.world_size,
-    )
+    check_model_shape(run, heads, kv_heads, num_layers=layers, vocab_size=151936)
     assert run.model.path == f"Qwen/Qwen3-{preset.split('_', 1)[1].replace('_', '.').upper()}"
     if preset in ("qwen3_14b", "qwen3_32b"):  # the Megatron-with-TP presets
         assert run.backend.strategy == "megatron" and run.backend.tensor_model_parallel_size >= 4
@@ -380,12 +373,11 @@ def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
             r"selective takes no backend\.recompute_num_layers",
         ),
         ({}, {"recompute_method": "uniform"}, {}, r"need backend\.recompute_granularity=full"),
-        ({}, {"override_transformer_config": ["x"]}, {}, r"backend\.override_transformer_config must be a mapping"),
     ],
 )
 def test_check_megatron_rejects(lora_kw, backend_kw, model_kw, message):
     with pytest.raises(ConfigError, match=message) as e:
-        C.check_megatron(lora(**lora_kw), backend(**backend_kw), **model_kw)
+        check_megatron(lora(**lora_kw), backend(**backend_kw), **model_kw)
     assert "\n" not in str(e.value)
 
 

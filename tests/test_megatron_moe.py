@@ -9,20 +9,20 @@ expert mapping and LoRA name parser. The expert-parallel gather runs over two re
 from __future__ import annotations
 
 import ast
-import dataclasses
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from lorarl.config import LoraConfig, MegatronBackendConfig
+from lorarl.config import MegatronBackendConfig
 from lorarl.engines.megatron import config_map as C
 from lorarl.engines.megatron import experts as X
 from lorarl.engines.megatron import names as N
 from lorarl.errors import ConfigError, SyncError
 from tests import megatron_moe_reference as M
 from tests import megatron_reference as R
+from tests.megatron_checks import backend_config, check_megatron, lora_config
 from tests.megatron_source import Sources, literal, load_functions, sources_or_skip
 
 E, H, I, RANK, ALPHA = 4, 32, 16, 4, 8.0  # noqa: E741 - I is Qwen3-MoE's moe_intermediate_size
@@ -198,7 +198,7 @@ def test_bridge_expert_split_is_wrong_under_expert_tp(src):
     ours = R.split_gate_up(gathered, 2)
     assert torch.equal(ours[0], gate_b) and torch.equal(ours[1], up_b)
     with pytest.raises(ConfigError, match=r"backend\.expert_tensor_parallel_size=2: .* silently wrong") as e:
-        C.check_megatron(LoraConfig(), _backend(expert_tensor_parallel_size=2), num_experts=128)
+        check_megatron(lora_config(), _backend(expert_tensor_parallel_size=2), num_experts=128)
     assert "\n" not in str(e.value)
 
 
@@ -375,7 +375,7 @@ def test_gather_is_a_no_op_when_complete_and_refuses_partial_sets():
 
 
 def _backend(**kw) -> MegatronBackendConfig:
-    return dataclasses.replace(MegatronBackendConfig(), **kw)
+    return backend_config(**kw)
 
 
 MOE_30B = {
@@ -456,7 +456,7 @@ def test_provider_plan_sets_expert_parallel_and_local_moe_kernels_off(src):
 )
 def test_check_megatron_rejects_moe_layouts(backend_kw, lora_kw, model_kw, world, message):
     with pytest.raises(ConfigError, match=message) as e:
-        C.check_megatron(LoraConfig(**lora_kw), _backend(**backend_kw), world_size=world, **model_kw)
+        check_megatron(lora_config(**lora_kw), _backend(**backend_kw), world_size=world, **model_kw)
     assert "\n" not in str(e.value)
 
 
@@ -471,8 +471,14 @@ def test_moe_megatron_presets_pass_every_check(preset, shape):
     run = compose([f"+experiment={preset}"])
     assert run.backend.strategy == "megatron" and run.backend.expert_tensor_parallel_size == 1
     assert run.backend.expert_model_parallel_size >= 8 and not run.model.lora.merge
-    check_model_shape(run, shape["num_attention_heads"], shape["num_key_value_heads"])
-    C.check_megatron(run.model.lora, run.backend, world_size=run.world_size, **shape)
+    check_model_shape(
+        run,
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        num_layers=shape["num_layers"],
+        vocab_size=shape["vocab_size"],
+        num_experts=shape["num_experts"],
+    )
     targets = N.resolve_lora_targets(run.model.lora.target_modules, run.model.lora.type)
     assert {"linear_fc1", "linear_fc2"} <= set(targets.megatron)  # the experts carry LoRA
 
@@ -568,5 +574,5 @@ def test_bridge_adapter_export_of_experts_through_lorarl(src, tmp_path):
     gate_a, up_a = (out[N.expert_lora_name(0, 2, p, "A")] for p in ("gate_proj", "up_proj"))
     assert torch.equal(gate_a, up_a) and gate_a.data_ptr() != up_a.data_ptr()
     save_file(out, str(tmp_path / "adapter_model.safetensors"))
-    payload = WeightPayload.adapter(out, peft_adapter_config(LoraConfig(rank=RANK, alpha=16)))
+    payload = WeightPayload.adapter(out, peft_adapter_config(lora_config(rank=RANK, alpha=16)))
     assert payload.kind is PayloadKind.ADAPTER and len(payload.tensors) == E * 6

@@ -334,9 +334,8 @@ def test_qwen3_qk_norms_are_never_lora_targets(norm, lora_type):
     assert N.resolve_lora_targets(["all-linear"], lora_type).hf == N.HF_PROJECTIONS
 
 
-def test_bad_lora_type_and_empty_targets():
-    with pytest.raises(ConfigError, match="model.lora.type"):
-        N.resolve_lora_targets(["q_proj"], "dora")
+def test_empty_targets():
+    # model.lora.type is checked by the config (tests/test_megatron_config.py).
     with pytest.raises(ConfigError, match="model.lora.target_modules is empty"):
         N.resolve_lora_targets([], "lora")
 
@@ -516,6 +515,7 @@ def test_peft_loads_split_adapter_and_matches_megatron_merge(tmp_path, arch):
                 "target_modules": ["all-linear"],
                 "type": "lora",
                 "init_A": "xavier",
+                "merge": False,
             }
         )
     )
@@ -658,6 +658,7 @@ def test_split_adapter_is_a_valid_rollout_payload():
                 "target_modules": ["all-linear"],
                 "type": "lora",
                 "init_A": "xavier",
+                "merge": False,
             }
         )
     )

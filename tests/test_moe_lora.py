@@ -195,7 +195,7 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
             sync_checks.verify_adapter(rollout, WeightPayload.adapter(bad, config))
 
         with pytest.raises(ConfigError, match="model.lora.merge=true") as err:
-            rollout.generate([[1, 2, 3]], max_tokens=2)
+            rollout.sample([[1, 2, 3]], max_tokens=2)
         assert "\n" not in str(err.value)
 
 

@@ -1,4 +1,4 @@
-"""The one PPO update both engines share (lorarl.engines.base), run with a small real torch
+"""The one PPO update both engines share (lorarl.ppo), run with a small real torch
 policy in place of an engine's forward: loss normalisation over micro-batches, the on-policy
 shortcut, token-budget micro-batches and the metrics."""
 
@@ -9,17 +9,12 @@ import typing
 import pytest
 import torch
 
-from lorarl.batch import build_batch, micro_batches, padding_frac, split_to
+from lorarl.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.config import compose
-from lorarl.engines.base import (
-    Engine,
-    EntropyMode,
-    LossFn,
-    is_on_policy,
-    plan_micro_batches,
-    ppo_update,
-    read_metrics,
-)
+from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
+from lorarl.ppo import Correction, is_on_policy, needs_old_logp
+from lorarl.ppo import ppo_update as run_ppo_update
+from lorarl.trainer import sampling_of
 
 VOCAB, HIDDEN = 32, 8
 
@@ -43,7 +38,7 @@ class TablePolicy:
         logits = self.E[ids[:, :-1]] @ self.W
         return logprobs_from_logits(logits, ids[:, 1:])
 
-    def forward_backward(self, micro, loss_fn: LossFn, entropy: EntropyMode):
+    def forward_backward(self, micro, loss_fn: LossFn, entropy: EntropyMode, temperature: float):
         self.micro_sizes.append([len(m) for m in micro])
         out = []
         for mb in micro:
@@ -74,6 +69,12 @@ def test_engines_implement_the_protocol():
     members = typing._get_protocol_attrs(Engine) - {"compute_dtype", "pad_token_id"}
     for cls in (FSDPEngine, MegatronEngine):
         assert [m for m in members if not hasattr(cls, m)] == [], cls.__name__
+
+
+def ppo_update(policy, batch, step: int, run):
+    """The update as the worker calls it, with the run's sampling facts and actor settings."""
+    correction = Correction.of(run.algorithm.rollout_correction, run.trainer.device)
+    return run_ppo_update(policy, batch, step, sampling_of(run), run.actor, correction)
 
 
 def batch_of(lengths: list[int], seed: int = 1):
@@ -134,7 +135,7 @@ def test_token_mean_is_the_mean_over_all_tokens():
 
 def test_on_policy_shortcut_equals_a_separate_old_logprob_pass():
     run = run_with(micro_rows=4)
-    assert is_on_policy(run)
+    assert is_on_policy(run.actor, run.data.train_batch_size)
     shortcut, separate = TablePolicy(), TablePolicy()
     batch = batch_of(LENGTHS)
     ppo_update(shortcut, batch, step=1, run=run)
@@ -142,7 +143,8 @@ def test_on_policy_shortcut_equals_a_separate_old_logprob_pass():
         batch.old_logp = separate.logp(batch.input_ids)
     ppo_update(separate, batch, step=1, run=run)
     torch.testing.assert_close(shortcut.grads[0], separate.grads[0], atol=1e-6, rtol=1e-5)
-    assert not is_on_policy(run_with(micro_rows=4, ppo_epochs=2))
+    off = run_with(micro_rows=4, ppo_epochs=2)
+    assert not is_on_policy(off.actor, off.data.train_batch_size)
 
 
 def test_metrics_and_token_budget_micro_batches():
@@ -178,10 +180,13 @@ def test_passes_without_backward_take_a_larger_token_budget():
         return max(len(g) * max(int(batch.lengths[i]) for i in g) for g in plan)
 
     run = run_with(token_budget=24)
-    update, no_grad = plan_micro_batches(policy, batch, run), plan_micro_batches(policy, batch, run, backward=False)
+    update, no_grad = (
+        plan_micro_batches(policy, batch, run.actor),
+        plan_micro_batches(policy, batch, run.actor, backward=False),
+    )
     assert biggest(update) <= 24 < biggest(no_grad) <= 48 and len(no_grad) < len(update)
     explicit = plan_micro_batches(
-        policy, batch, run_with(token_budget=24, log_prob_max_token_len_per_gpu=12), backward=False
+        policy, batch, run_with(token_budget=24, log_prob_max_token_len_per_gpu=12).actor, backward=False
     )
     assert biggest(explicit) <= 12 and len(explicit) > len(update)
     for plan in (update, no_grad, explicit):
@@ -279,9 +284,10 @@ def test_token_tis_on_policy_uses_the_update_forward():
     key = "algorithm.rollout_correction"
     # One micro-batch, so the logged means are over the whole batch.
     run = compose([*_overrides("token-mean", 8), f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0"])
-    from lorarl.engines.base import needs_old_logp
 
-    assert not needs_old_logp(run)
+    assert not needs_old_logp(
+        run.actor, run.data.train_batch_size, Correction.of(run.algorithm.rollout_correction, run.trainer.device)
+    )
     batch = batch_of(LENGTHS)
     with torch.no_grad():
         trainer = TablePolicy().logp(batch.input_ids)

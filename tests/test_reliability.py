@@ -667,7 +667,8 @@ def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, ti
     from hydra import compose
 
     from lorarl.config import to_run_config
-    from lorarl.engines.fsdp import apply_liger_kernel, load_lora_model, use_liger_kernel
+    from lorarl.engines.fsdp import load_lora_model
+    from lorarl.engines.liger import apply_liger_kernel, use_liger_kernel
     from lorarl.errors import ConfigError
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))

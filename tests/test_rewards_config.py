@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 
-from lorarl.config import RewardConfig, to_run_config
+from lorarl.config import RewardConfig, load_group, to_run_config
 from lorarl.errors import ConfigError
 from lorarl.rewards import get_reward_fn
 
@@ -30,7 +30,7 @@ def compose_run():
 
 def test_defaults_come_from_conf_reward(compose_run):
     run = compose_run()
-    assert run.reward == RewardConfig()
+    assert run.reward == load_group(RewardConfig, "reward/default")
     assert (run.reward.gsm8k.scoring, run.reward.gsm8k.method, run.reward.math.timeout_s) == ("lenient", "strict", 5.0)
 
 

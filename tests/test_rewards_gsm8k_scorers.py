@@ -8,7 +8,7 @@ lenient: numbers compared by value, "$" and thousands commas allowed, the last "
 
 import pytest
 
-from lorarl.config import RewardConfig
+from lorarl.config import RewardConfig, load_group
 from lorarl.rewards import get_reward_fn, gsm8k
 
 REFERENCE = (
@@ -74,7 +74,7 @@ def test_verl_format_score_and_unknown_method():
 
 
 def test_config_picks_the_scorer():
-    lenient, verl = RewardConfig(), RewardConfig()
+    lenient, verl = load_group(RewardConfig, "reward/default"), load_group(RewardConfig, "reward/default")
     verl.gsm8k.scoring = "verl"
     assert get_reward_fn("openai/gsm8k", reward=lenient)("#### 72.00", "72", None) == 1.0
     assert get_reward_fn("openai/gsm8k", reward=verl)("#### 72.00", "72", None) == 0.0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lorarl.errors import ConfigError, SyncError
-from lorarl.sync import VLLM_LORA_RANKS, PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
+from lorarl.schema import VLLM_LORA_RANKS, vllm_lora_rank
+from lorarl.sync import PayloadKind, SyncStats, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -168,14 +169,17 @@ def test_bad_rank_is_a_config_error(rank):
 def test_sync_stats_total():
     s = SyncStats(PayloadKind.ADAPTER, num_tensors=4, bytes=100, gather_s=0.5, transfer_s=0.25, load_s=0.125)
     assert s.seconds == 0.875
-    assert s.as_dict()["sync/kind"] == "adapter"
+    base = SyncStats(PayloadKind.BASE, num_tensors=2, bytes=50, gather_s=1.0)
+    summary = SyncStats.summary([base, s])
+    assert summary["sync/kind"] == "base+adapter" and summary["sync/bytes"] == 150
+    assert summary["sync/seconds"] == 1.875 and summary["sync/gather_seconds"] == 1.5
 
 
 def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
     """vLLM 0.26 on GPU: LoRA wrappers keep the wrapped weight under `.base_layer` and load no
     plain names; which modules are wrapped depends on the model (Qwen3's embed_tokens is, as
     the Qwen3-0.6B GPU run's level-2 resend showed; Qwen2's is not). The live names decide."""
-    from lorarl.rollout.vllm import resolve_base_name
+    from lorarl.rollout.vllm_names import resolve_base_name
 
     live_qwen3 = frozenset(
         {

@@ -13,10 +13,14 @@ import pytest
 import torch
 
 from lorarl.errors import SyncError
+from lorarl.messages import SyncRequest
 from lorarl.sync import WeightPayload
 from lorarl.sync_checks import FP32_BOUNDS
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A sync that runs the probe whenever its sequences are set (the run's last step).
+PROBING_SYNC = SyncRequest(step=1, last=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +72,14 @@ def probes(worker, tiny_tokenizer):
     seqs = [
         prompt_ids(tiny_tokenizer, r["prompt"]) + [5, 6, 7, 8, 9, 10] for r in arith.make_rows(6, seed=2, split="test")
     ]
-    worker.set_probe(seqs)
-    assert all(len(s) >= 2 for s in worker.probe_seqs)
-    return worker.probe_seqs
+    worker.sync_session.set_probes(seqs)
+    assert all(len(s) >= 2 for s in worker.sync_session.probe_seqs)
+    return worker.sync_session.probe_seqs
 
 
 def test_worker_sync_reports_both_checks(worker, probes):
     moved_adapter(worker, seed=1)
-    out = worker.sync()
+    out = worker.sync(PROBING_SYNC)
     assert out["sync/adapter_match"] == 1.0
     assert out["sync/logprob_diff_max"] < FP32_BOUNDS.max
     assert out["sync/logprob_ref_diff_mean"] > 10 * FP32_BOUNDS.mean  # the adapter moved the policy
@@ -83,28 +87,28 @@ def test_worker_sync_reports_both_checks(worker, probes):
 
 def test_probe_catches_a_skipped_sync_in_fp32(worker, probes):
     moved_adapter(worker, seed=2)
-    worker.sync()
+    worker.sync(PROBING_SYNC)
     moved_adapter(worker, seed=3)  # trained on, never synced
     with pytest.raises(SyncError, match="rank 0: after the sync vLLM and the trainer disagree"):
-        worker.probe()
+        worker.sync_session.probe()
 
 
 def test_probe_catches_a_zeroed_adapter_in_fp32(worker, probes):
     lora = moved_adapter(worker, seed=4)
-    worker.sync()
+    worker.sync(PROBING_SYNC)
     config = worker.engine.adapter_config()
     worker.rollout.apply(WeightPayload.adapter({k: torch.zeros_like(v) for k, v in lora.items()}, config))
     with pytest.raises(SyncError, match="disagree|adapter-off reference"):
-        worker.probe()
+        worker.sync_session.probe()
 
 
 def test_probe_catches_one_layers_b_left_out_in_fp32(worker, probes):
     lora = moved_adapter(worker, seed=5)
-    worker.sync()
+    worker.sync(PROBING_SYNC)
     sent = {k: v.clone() for k, v in lora.items()}
     sent["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].zero_()
     worker.rollout.apply(WeightPayload.adapter(sent, worker.engine.adapter_config()))
     with pytest.raises(SyncError, match="disagree"):
-        worker.probe()
-    worker.sync()  # a real sync puts it right
-    assert worker.probe()["sync/logprob_diff_max"] < FP32_BOUNDS.max
+        worker.sync_session.probe()
+    worker.sync(PROBING_SYNC)  # a real sync puts it right
+    assert worker.sync_session.probe()["sync/logprob_diff_max"] < FP32_BOUNDS.max

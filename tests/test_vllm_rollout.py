@@ -83,7 +83,7 @@ def hf_logprobs(model, seq: list[int], start: int) -> list[float]:
 
 
 def vllm_greedy(rollout: VLLMRollout, prompts) -> list[list[int]]:
-    return [r[0] for r in rollout.generate(prompts, n=1, temperature=0.0, max_tokens=NEW_TOKENS)]
+    return [r[0] for r in rollout.sample(prompts, n=1, temperature=0.0, max_tokens=NEW_TOKENS).token_ids]
 
 
 @pytest.fixture(scope="module", params=["tmpfs", "memory"])
@@ -158,10 +158,10 @@ def test_seeded_sampling_is_reproducible_when_prefill_is_chunked(rollout, tiny_t
     torch.manual_seed(0)
     expected_next = torch.rand(1)
     torch.manual_seed(0)
-    a = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=5)
+    a = rollout.sample(prompts, n=8, temperature=1.0, max_tokens=4, seed=5).token_ids
     assert torch.equal(torch.rand(1), expected_next)  # the caller's RNG stream is untouched
-    b = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=5)
-    c = rollout.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=6)
+    b = rollout.sample(prompts, n=8, temperature=1.0, max_tokens=4, seed=5).token_ids
+    c = rollout.sample(prompts, n=8, temperature=1.0, max_tokens=4, seed=6).token_ids
     assert len(a) == 6 and all(len(g) == 8 for g in a)
     assert a == b and a != c
     assert any(len(set(map(tuple, g))) > 1 for g in a)  # the n samples of a prompt differ
@@ -191,7 +191,7 @@ def test_rejected_adapter_leaves_no_adapter_and_generate_refuses(rollout, peft_m
     with pytest.raises(SyncError, match="vLLM rejected the adapter"):
         rollout.apply(WeightPayload.adapter(tensors, good.adapter_config))
     assert not rollout.has_adapter and rollout.adapter_rejected and rollout.num_adapters() == 0
-    for call in (lambda: rollout.generate(prompts[:1]), lambda: rollout.prompt_logprobs(prompts[0], 1)):
+    for call in (lambda: rollout.sample(prompts[:1]).token_ids, lambda: rollout.prompt_logprobs(prompts[0], 1)):
         with pytest.raises(SyncError, match="holds no valid adapter: vLLM rejected the last one"):
             call()
     rollout.apply(good)  # the next valid adapter serves again
@@ -320,7 +320,7 @@ def test_shut_down_rollout_says_so(tiny_model_path: Path, prompts):
     r.shutdown()
     r.shutdown()  # idempotent
     with pytest.raises(SyncError, match="shut down"):
-        r.generate(prompts[:1])
+        r.sample(prompts[:1])
 
 
 def test_engines_overlap_and_rebuild_in_one_process(tiny_model_path: Path, hf_base, prompts):

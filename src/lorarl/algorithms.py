@@ -9,11 +9,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lorarl.errors import ConfigError
-
-KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("vanilla", "gspo")
+# The names the config accepts (checked there, once, with the key's name); a name outside them
+# reaching these functions is a caller's bug, a ValueError.
+from lorarl.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
 # turns into NaN gradients even where a later clamp hides the value.
@@ -212,7 +210,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind in ("k3", "low_var_kl"):
         log_ratio = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
-    raise ConfigError(f"actor.kl_loss_type={kind!r} is unknown; use one of {', '.join(KL_KINDS)}")
+    raise ValueError(f"KL estimator {kind!r} is not one of {', '.join(KL_KINDS)}")
 
 
 def agg_loss(
@@ -234,7 +232,7 @@ def agg_loss(
     constant (`norm_len`, verl's loss_scale_factor; default T): no mean over sequences.
     """
     if mode not in AGG_MODES:
-        raise ConfigError(f"actor.loss_agg_mode={mode!r} is unknown; use one of {', '.join(AGG_MODES)}")
+        raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask) if denom is None else masked_sum(loss_mat, mask) / denom
     if mode == "seq-mean-token-sum-norm":
@@ -251,15 +249,6 @@ def agg_count(mask: torch.Tensor, mode: str) -> int:
     """What agg_loss divides by for `mode`: kept tokens, or sequences with a kept token (not
     used by seq-mean-token-sum-norm, whose divisor is a constant)."""
     return int(mask.bool().sum()) if mode == "token-mean" else int(mask.bool().any(dim=-1).sum())
-
-
-def check_gspo(clip_ratio_c: float | None, loss_agg_mode: str) -> None:
-    """GSPO is defined (and run by verl) without the dual clip and with seq-mean-token-mean;
-    other combinations are refused rather than given a meaning verl does not have."""
-    if clip_ratio_c is not None:
-        raise ConfigError(f"actor.policy_loss=gspo does not use the dual clip; set actor.clip_ratio_c=null (got {clip_ratio_c})")  # fmt: skip
-    if loss_agg_mode != "seq-mean-token-mean":
-        raise ConfigError(f"actor.policy_loss=gspo aggregates seq-mean-token-mean; set actor.loss_agg_mode=seq-mean-token-mean (got {loss_agg_mode})")  # fmt: skip
 
 
 def policy_loss(
@@ -283,22 +272,19 @@ def policy_loss(
     per sequence, the length-normalised exp(mean_t log(pi/pi_old)), clipped as a whole; each token
     carries it with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it; its log
     is capped at 10 from above (no gradient past the cap), and it takes no dual clip and only
-    seq-mean-token-mean (check_gspo), as in verl.
+    seq-mean-token-mean (lorarl.schema.ActorConfig checks it), as in verl.
     `weights` [B, T] (detached; e.g. rollout-mismatch importance weights) multiply the per-token loss.
     Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
     of KL(old || new), from the clamped log-ratio for vanilla as verl averages it), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip),
     as detached 0-dim tensors: reading one waits for the device, so the update reads them once
     per mini-batch rather than stalling every micro-batch.
     """
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ConfigError(f"actor.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip bound), or null to disable")
     if mode not in POLICY_LOSSES:
-        raise ConfigError(f"actor.policy_loss={mode!r} is unknown; use one of {', '.join(POLICY_LOSSES)}")
+        raise ValueError(f"policy loss {mode!r} is not one of {', '.join(POLICY_LOSSES)}")
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
     token_log_ratio = logp - old_logp
     if mode == "gspo":
-        check_gspo(clip_ratio_c, loss_agg_mode)
         seq_log_ratio = masked_mean(token_log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
         log_ratio = (logp - logp.detach() + seq_log_ratio).clamp(max=_GSPO_MAX_LOG_RATIO)
         ppo_kl = masked_mean(-token_log_ratio.detach(), mask)

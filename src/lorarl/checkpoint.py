@@ -1,9 +1,11 @@
-"""Checkpoints: safetensors + JSON only, written atomically, resumable.
+"""Checkpoints: safetensors + JSON only, written atomically, resumable. Every file of the
+format is written and read here.
 
     <root>/global_step_<N>/
         adapter/adapter_model.safetensors, adapter/adapter_config.json   (a standard PEFT folder)
-        optimizer.safetensors, optimizer.json                             (full AdamW state)
-        trainer_state.json                                                (step, data position, scheduler, RNG)
+        optimizer.safetensors, optimizer.json                             (full AdamW state, LR schedule)
+        rng_rank<R>.safetensors                                           (each worker's torch RNG)
+        trainer_state.json                                                (step, data position, Python RNG)
         config.yaml                                                       (resolved run config, secrets redacted)
         manifest.json                                                     (every file and its size; written last)
 
@@ -24,9 +26,10 @@ from pathlib import Path
 import torch
 
 from lorarl.errors import LorarlError
+from lorarl.jsonio import read_json, write_json
 
 # A step folder's adapter is a PEFT folder; its reader and writer live in lorarl.peft_io.
-from lorarl.peft_io import load_peft_adapter, save_peft_adapter  # noqa: F401
+from lorarl.peft_io import load_peft_adapter, save_peft_adapter
 
 ADAPTER_DIR = "adapter"
 STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -132,17 +135,53 @@ def resolve_resume(mode: str, manager: CheckpointManager) -> Path | None:
     return path
 
 
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+# ---- what the workers write (collective: every rank calls) -----------------------------------
 
 
-def read_json(path: Path):
-    return json.loads(path.read_text())
+def save_engine_state(engine, directory: str | os.PathLike, rank: int) -> None:
+    """Rank 0 writes the adapter (PEFT folder) and the optimizer with its LR schedule; every rank
+    its torch RNG. `engine` is a lorarl.engines.base.Engine."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    lora = engine.lora_state()
+    optim = engine.optimizer_state()
+    if rank == 0:
+        save_peft_adapter(out / ADAPTER_DIR, lora, engine.adapter_config())
+        tensors, meta = flatten_optimizer_state(optim)
+        save_file(tensors, str(out / "optimizer.safetensors"))
+        write_json(out / "optimizer.json", {**meta, "scheduler": engine.scheduler_state()})
+    save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{rank}.safetensors"))
 
 
-def read_json_if_valid(path: Path) -> dict | None:
-    """The JSON object in `path`, or None when the file is missing, unreadable or not JSON."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+def load_engine_state(engine, directory: str | os.PathLike, rank: int) -> None:
+    from safetensors.torch import load_file
+
+    src = Path(directory)
+    lora, _ = load_peft_adapter(src / ADAPTER_DIR)
+    meta = read_json(src / "optimizer.json")
+    optim = unflatten_optimizer_state(load_file(str(src / "optimizer.safetensors")), meta)
+    engine.load_state(lora, optim, meta["scheduler"])
+    rng = src / f"rng_rank{rank}.safetensors"
+    if rng.is_file():
+        torch.set_rng_state(load_file(str(rng))["torch"])
+
+
+# ---- what the driver writes -------------------------------------------------------------------
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def write_trainer_state(directory: Path, step: int, loader_state: dict, python_rng, config_yaml: str) -> None:
+    write_json(
+        directory / TRAINER_STATE,
+        {"step": step, "loader": loader_state, "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]},
+    )
+    (directory / "config.yaml").write_text(config_yaml)
+
+
+def read_trainer_state(directory: Path) -> tuple[int, dict, tuple]:
+    """(step, the prompt loader's state, Python's RNG state as random.setstate takes it)."""
+    state = read_json(directory / TRAINER_STATE)
+    version, internal, gauss = state["python_rng"]
+    return state["step"], state["loader"], (version, tuple(internal), gauss)

@@ -1,5 +1,9 @@
 """Errors a user can act on. Each message is one line naming the key or file and the fix."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class LorarlError(Exception):
     """Base of every error lorarl raises on purpose."""
@@ -30,3 +34,13 @@ def first_line(err: BaseException) -> str:
     what a one-line error quotes from a library's multi-line one."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def one_of(key: str, value: Any, allowed: tuple) -> None:
+    shown = ", ".join(str(a) for a in allowed if a is not None)
+    check(value in allowed, f"{key}={value!r} is not valid; use {'null or ' if None in allowed else ''}one of: {shown}")

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorarl.errors import ConfigError, SyncError
+from lorarl.errors import SyncError
+from lorarl.schema import QWEN3_MOE_EXPERT_PARAMETERS, check_target_parameters  # noqa: F401  (checked by the config)
 
 # What `model.lora.target_parameters` names for Qwen3-MoE's routed experts.
-QWEN3_MOE_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # The per-expert projections vLLM loads, by the fused parameter they come from (gate first:
 # HF's Qwen3MoeExperts splits gate_up_proj's output with chunk(2), gate then up).
 VLLM_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 # Parameters vLLM cannot serve LoRA on: the router (`mlp.gate`), embeddings, the output layer.
-_UNSERVABLE = re.compile(r"(^|\.)(gate|lm_head|embed_tokens)(\.|$)")
 
 # The final adapter's vLLM copy, inside the PEFT folder (PEFT ignores subfolders).
 VLLM_ADAPTER_SUBDIR = "vllm"
@@ -62,26 +61,10 @@ def is_moe_checkpoint(model_path: str | os.PathLike) -> bool:
     return int(saved.get("num_experts") or saved.get("num_local_experts") or 0) > 0
 
 
-def check_target_parameters(names: Iterable[str]) -> None:
-    """One-line ConfigError for a target parameter vLLM cannot serve or lorarl cannot export."""
-    for name in names:
-        if _UNSERVABLE.search(name):
-            raise ConfigError(
-                f"model.lora.target_parameters contains {name!r}: vLLM serves no LoRA on the router (mlp.gate), "
-                f"embeddings or lm_head; target the experts ({','.join(QWEN3_MOE_EXPERT_PARAMETERS)})"
-            )
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in VLLM_EXPERT_PROJECTIONS:
-            raise ConfigError(
-                f"model.lora.target_parameters contains {name!r}: lorarl exports LoRA on the fused expert "
-                f"parameters {', '.join(VLLM_EXPERT_PROJECTIONS)} only (e.g. {QWEN3_MOE_EXPERT_PARAMETERS[0]})"
-            )
-
-
 def expert_projections(target_parameters: Iterable[str]) -> list[str]:
-    """The per-expert projections (gate_proj, up_proj, down_proj) the fused parameters cover:
-    how a backend that keeps experts as linear modules (Megatron) reads target_parameters."""
-    check_target_parameters(target_parameters)
+    """The per-expert projections (gate_proj, up_proj, down_proj) the fused parameters cover
+    (names the config checked): how a backend that keeps experts as linear modules (Megatron)
+    reads target_parameters."""
     return [p for name in target_parameters for p in VLLM_EXPERT_PROJECTIONS[name.rsplit(".", 1)[-1]]]
 
 

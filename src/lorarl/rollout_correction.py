@@ -11,71 +11,19 @@ measure, not the objective). The formulas are in docs/algorithms.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from lorarl.algorithms import masked_mean, masked_sum
-from lorarl.errors import ConfigError
+from lorarl.schema_algorithm import (  # noqa: F401  (the option names and their parser live with the schema)
+    IS_CHOICES,
+    IS_LEVELS,
+    RS_OPTIONS,
+    Rejection,
+    parse_rejection,
+)
 
 SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8: the largest weight or ratio any statistic may reach
-IS_LEVELS = ("token", "sequence")
-# auto: token on CUDA (bf16 sampler against the trainer), off on CPU (both float32, weights ~1).
-IS_CHOICES = (None, "auto", *IS_LEVELS)
-RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
-_KEY = "algorithm.rollout_correction"
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """One rejection criterion: a token or sequence is kept while its statistic stays in bounds.
-    k1 options bound log(pi_rollout / pi_trainer) by [log lower, log upper]; k2 and k3 options
-    bound the divergence estimate by `upper` alone."""
-
-    option: str
-    upper: float
-    lower: float | None = None
-
-
-def parse_rejection(options: str | None, thresholds: str | None) -> tuple[Rejection, ...]:
-    """`rollout_rs` ("seq_mean_k1" or "token_k1,seq_max_k3") and `rollout_rs_threshold` (one value
-    shared by every option, or one per option; a k1 option takes "upper" (lower = 1 / upper) or
-    "lower_upper") as criteria. ConfigError names the key on any bad value."""
-    if options is None:
-        return ()
-    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
-    bad = [o for o in names if o not in RS_OPTIONS]
-    if not names or bad:
-        raise ConfigError(f"{_KEY}.rollout_rs={options!r}: unknown option(s) {bad}; use null or a comma-separated list of {', '.join(RS_OPTIONS)}")  # fmt: skip
-    if thresholds is None:
-        raise ConfigError(f"{_KEY}.rollout_rs={options!r} needs {_KEY}.rollout_rs_threshold (e.g. 1.001 for seq_mean_k1)")  # fmt: skip
-    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
-    if len(specs) == 1:
-        specs = specs * len(names)
-    if len(specs) != len(names):
-        raise ConfigError(f"{_KEY}.rollout_rs_threshold={thresholds!r}: give one value for all {len(names)} options or one each")  # fmt: skip
-    return tuple(_rule(name, spec) for name, spec in zip(names, specs))
-
-
-def _rule(name: str, spec: str) -> Rejection:
-    where = f"{_KEY}.rollout_rs_threshold={spec!r} ({name})"
-    if "_" in spec and not name.endswith("k1"):
-        raise ConfigError(f"{where}: only k1 options take lower_upper; give one upper bound")
-    try:
-        parts = [float(x) for x in spec.split("_", 1)]
-    except ValueError:
-        raise ConfigError(f"{where} is not a number (k1 options: upper or lower_upper)") from None
-    if any(x <= 0 for x in parts) or (len(parts) == 2 and parts[0] > parts[1]):
-        raise ConfigError(f"{where}: bounds must be > 0 and lower <= upper")
-    if not name.endswith("k1"):
-        return Rejection(name, parts[0])
-    lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
-    return Rejection(name, upper, lower)
 
 
 def resolve_is_level(rollout_is: str | None, device: str, bypass_mode: bool) -> str | None:

@@ -17,11 +17,7 @@ from enum import Enum
 
 from torch import Tensor
 
-from lorarl.errors import ConfigError, SyncError
-
-# vLLM's accepted `max_lora_rank` values (vllm.config.lora.MaxLoRARanks in 0.32);
-# tests check this against vLLM's own list.
-VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from lorarl.errors import SyncError
 
 # PEFT's saved form (get_peft_model_state_dict): adapter name removed, prefix kept.
 _ADAPTER_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -104,25 +100,18 @@ class SyncStats:
     def seconds(self) -> float:
         return self.gather_s + self.transfer_s + self.load_s
 
-    def as_dict(self, prefix: str = "sync/") -> dict[str, float | int | str]:
+    @staticmethod
+    def summary(stats: list[SyncStats]) -> dict[str, float | int | str]:
+        """One sync's payloads (base, then adapter) as the step's `sync/*` metrics."""
         return {
-            f"{prefix}kind": self.kind.value,
-            f"{prefix}num_tensors": self.num_tensors,
-            f"{prefix}bytes": self.bytes,
-            f"{prefix}gather_s": self.gather_s,
-            f"{prefix}transfer_s": self.transfer_s,
-            f"{prefix}load_s": self.load_s,
-            f"{prefix}seconds": self.seconds,
+            "sync/kind": "+".join(s.kind.value for s in stats),
+            "sync/num_tensors": sum(s.num_tensors for s in stats),
+            "sync/bytes": sum(s.bytes for s in stats),
+            "sync/gather_seconds": sum(s.gather_s for s in stats),
+            "sync/transfer_seconds": sum(s.transfer_s for s in stats),
+            "sync/load_seconds": sum(s.load_s for s in stats),
+            "sync/seconds": sum(s.seconds for s in stats),
         }
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """Smallest `max_lora_rank` vLLM accepts that holds `rank`."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ConfigError(f"model.lora.rank must be an integer, got {rank!r}")
-    if rank <= 0 or rank > VLLM_LORA_RANKS[-1]:
-        raise ConfigError(f"model.lora.rank={rank} is outside 1..{VLLM_LORA_RANKS[-1]}, the ranks vLLM can serve")
-    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def _pairs(tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> Iterable:

@@ -22,11 +22,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lorarl import algorithms
-from lorarl.checkpoint import CheckpointManager, read_json, resolve_resume, write_json
+from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
 from lorarl.engines.base import reduce_metrics
 from lorarl.errors import LorarlError
+from lorarl.messages import GenerateRequest, Sampling, SyncRequest, UpdateRequest
 from lorarl.tracking import Tracker, console, redact
 
 
@@ -66,6 +67,16 @@ def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int
     return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
+def sampling_of(run: RunConfig) -> Sampling:
+    """How every training rollout of the run is drawn, as the update needs to know it."""
+    return Sampling(
+        n=run.rollout.n,
+        temperature=run.rollout.temperature,
+        max_response_length=run.data.max_response_length,
+        seed=run.trainer.seed,
+    )
+
+
 def prepare_data(run: RunConfig) -> None:
     d = run.data
     d.train_files = [os.path.expanduser(f) for f in d.train_files]
@@ -99,7 +110,7 @@ class GRPOTrainer:
 
         self.run = run
         self.out_dir = Path(out_dir)
-        self.group = None
+        self.workers = None
         self.tracker = None
         self.device = resolve_device(run.trainer.device)
         backend = backend_of(run)
@@ -113,7 +124,12 @@ class GRPOTrainer:
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
         check_model_shape(
-            run, hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
+            run,
+            hf_cfg.num_attention_heads,
+            getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads,
+            num_layers=hf_cfg.num_hidden_layers,
+            vocab_size=hf_cfg.vocab_size,
+            num_experts=int(getattr(hf_cfg, "num_experts", None) or 0),
         )
         self.tokenizer = load_tokenizer(run)
         d = run.data
@@ -127,7 +143,7 @@ class GRPOTrainer:
             check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
-        self.probe_armed = False  # workers hold probe sequences; set on the first step this process runs
+        self.sampling = sampling_of(run)
         ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
         self.ckpt = CheckpointManager(
             ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep
@@ -142,45 +158,47 @@ class GRPOTrainer:
 
         from lorarl.worker_group import WorkerGroup, describe_placement
 
-        t = self.run.trainer
+        tc = self.run.trainer
         say = console(tqdm.write)
-        self.tracker = Tracker(t.logger, self.out_dir, t.project_name, t.experiment_name, self.run.to_dict(), write=say)
+        self.tracker = Tracker(
+            tc.logger, self.out_dir, tc.project_name, tc.experiment_name, self.run.to_dict(), write=say
+        )
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
-        self.group = WorkerGroup(self.run, self.device)
+        self.workers = WorkerGroup(self.run, self.device)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
-        say(f"workers: {describe_placement(self.group.placement)}")
-        node_ids = [where["node_id"] for where in self.group.placement]
+        say(f"workers: {describe_placement(self.workers.placement)}")
+        node_ids = [where["node_id"] for where in self.workers.placement]
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
-        for plan in dict.fromkeys(self.group.sleep_plans):
+        for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.group.sync()[0]
+        first_sync = self.workers.sync(SyncRequest(step=0, last=False))
         self.tracker.log({**placement, **{f"init/{k}": v for k, v in first_sync.items()}}, step=0)
         say(
             f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
             f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
         )
-        if t.val_before_train and self.val_items:
+        if tc.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)
         last_reward = None
         bar = tqdm(
-            total=self.total_steps, initial=self.step, desc="grpo", disable=not t.progress_bar, dynamic_ncols=True
+            total=self.total_steps, initial=self.step, desc="grpo", disable=not tc.progress_bar, dynamic_ncols=True
         )
         while self.step < self.total_steps:
             self.step += 1
             try:
                 metrics = self.train_step()
                 if (
-                    t.test_freq > 0
+                    tc.test_freq > 0
                     and self.val_items
-                    and (self.step % t.test_freq == 0 or self.step == self.total_steps)
+                    and (self.step % tc.test_freq == 0 or self.step == self.total_steps)
                 ):
                     metrics.update(self.validate())
-                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                if tc.save_freq > 0 and (self.step % tc.save_freq == 0 or self.step == self.total_steps):
                     metrics["timing/save"] = self.save_checkpoint()
             except LorarlError as err:
                 raise type(err)(self._stopped_at(err)) from err
@@ -192,9 +210,9 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=metrics["sync/kind"])
         bar.close()
         final = self.out_dir / "final_adapter"
-        self.group.export_adapter(str(final))
+        self.workers.export_adapter(str(final))
         say(f"final adapter: {final}")
-        if "jsonl" in t.logger:
+        if "jsonl" in tc.logger:
             from lorarl.plot import plot
 
             self.tracker.finish()
@@ -218,12 +236,9 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         tmp = self.ckpt.begin(self.step)
         try:
-            self.group.save_checkpoint(str(tmp))
-            write_json(
-                tmp / "trainer_state.json",
-                {"step": self.step, "loader": self.loader.state_dict(), "python_rng": _jsonable_rng(random.getstate())},
-            )
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(redact(self.run.to_dict())))
+            self.workers.save_checkpoint(str(tmp))
+            config_yaml = OmegaConf.to_yaml(redact(self.run.to_dict()))
+            write_trainer_state(tmp, self.step, self.loader.state_dict(), random.getstate(), config_yaml)
             self.ckpt.commit(tmp, self.step)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -231,65 +246,33 @@ class GRPOTrainer:
         return time.perf_counter() - t0
 
     def load_checkpoint(self, path: Path) -> None:
-        state = read_json(path / "trainer_state.json")
-        self.group.load_checkpoint(str(path))
-        self.step = state["step"]
-        self.loader.load_state_dict(state["loader"])
-        random.setstate(_python_rng(state["python_rng"]))
+        step, loader_state, python_rng = read_trainer_state(path)
+        self.workers.load_checkpoint(str(path))
+        self.step = step
+        self.loader.load_state_dict(loader_state)
+        random.setstate(python_rng)
 
     def train_step(self) -> dict:
         """One GRPO step: three calls to the workers (generate; update; sync)."""
         t_step = time.perf_counter()
         groups, gen_rounds, t_gen = self.rollout_groups()
-        rewards = [x for g in groups for x in g.rewards]
-        lengths = [len(s) for g in groups for s in g.samples]
-        # Fixed probe sequences (each engine's first prompts with their first samples), kept for
-        # every later sync; armed on the first step this process runs, so a resumed run checks too.
-        # Per vLLM engine, not per training replica: the tensor-parallel ranks of one engine must
-        # send it the same requests (their all-reduces would mix two different sequences).
-        arm_probe = self.run.trainer.check_sync and not self.probe_armed
-        if arm_probe:
-            self.group.set_probes(
-                [[g.item.prompt_ids + g.samples[0] for g in shard] for shard in _split(groups, self.group.rollout_size)]
-            )
-            self.probe_armed = True
-
-        # Group-normalised advantages; groups split contiguously over data-parallel replicas.
-        per_replica = []
-        for shard in _split(groups, self.group.dp_size):
-            p_ids = [g.item.prompt_ids for g in shard for _ in g.samples]
-            r_ids = [s for g in shard for s in g.samples]
-            logprobs = [lp for g in shard for lp in g.logprobs]
-            scores = [x for g in shard for x in g.rewards]
-            index = [k for k, g in enumerate(shard) for _ in g.samples]
-            adv = algorithms.grpo_advantages(
-                torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
-            )
-            per_replica.append((p_ids, r_ids, adv.tolist(), self.step, logprobs))
-
-        # PPO update (the rollout sleeps meanwhile), then the new weights into vLLM.
         t0 = time.perf_counter()
-        train = self.group.update(per_replica)
+        train = self.workers.update(self.update_requests(groups))
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
-        t = self.run.trainer
-        probe = arm_probe or self.step % t.check_sync_probe_freq == 0 or self.step == self.total_steps
-        syncs = self.group.sync(probe=probe)
-        t_sync_wall = time.perf_counter() - t0
+        sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
+        t_sync = time.perf_counter() - t0
 
-        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
+        lengths = [len(s) for g in groups for s in g.samples]
         metrics = {
-            "reward/mean": float(rewards_t.mean()),
-            "reward/std": float(rewards_t.std()) if len(rewards) > 1 else 0.0,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "response_length/mean": sum(lengths) / len(lengths),
             "response_length/max": max(lengths),
+            **reduce_metrics({k: [replica[k] for replica in train] for k in train[0]}),
+            **sync,
         }
-        metrics.update(reduce_metrics({k: [t[k] for t in train] for k in train[0]}))
-        metrics.update(syncs[0])
-        for key in ("sync/logprob_diff_max", "sync/logprob_diff_mean"):
-            if key in syncs[0]:
-                metrics[key] = max(s[key] for s in syncs)
-        metrics["sync/num_adapters"] = max(s["sync/num_adapters"] for s in syncs)
         fg = self.run.algorithm.filter_groups
         if fg.enable:
             metrics["data/gen_rounds"] = gen_rounds
@@ -300,12 +283,33 @@ class GRPOTrainer:
             metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(penalties)
         metrics["timing/gen"] = t_gen
         metrics["timing/train"] = t_update
-        metrics["timing/sync"] = t_sync_wall
+        metrics["timing/sync"] = t_sync
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["data/epoch"] = self.loader.epoch
         return metrics
 
-    def rollout_groups(self) -> tuple[list[Group], int, float]:
+    def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
+        """Group-normalised advantages; prompt groups split contiguously over data-parallel replicas."""
+        requests = []
+        for shard in _split(groups, self.workers.dp_size):
+            scores = [x for g in shard for x in g.rewards]
+            index = [k for k, g in enumerate(shard) for _ in g.samples]
+            adv = algorithms.grpo_advantages(
+                torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
+            )
+            requests.append(
+                UpdateRequest(
+                    step=self.step,
+                    prompt_ids=[g.item.prompt_ids for g in shard for _ in g.samples],
+                    response_ids=[s for g in shard for s in g.samples],
+                    advantages=adv.tolist(),
+                    rollout_logprobs=[lp for g in shard for lp in g.logprobs],
+                    sampling=self.sampling,
+                )
+            )
+        return requests
+
+    def rollout_groups(self) -> tuple[list[PromptGroup], int, float]:
         """data.train_batch_size prompt groups, sampled and scored: (groups, generation rounds,
         generation seconds). With algorithm.filter_groups, groups whose `metric` is equal for
         every sample carry no signal and are replaced by groups of further prompts (DAPO's
@@ -314,13 +318,13 @@ class GRPOTrainer:
         (verl stops the run with an error there)."""
         fg = self.run.algorithm.filter_groups
         size = self.run.data.train_batch_size
-        kept: list[Group] = []
-        flat: list[Group] = []
+        kept: list[PromptGroup] = []
+        flat: list[PromptGroup] = []
         seconds, rounds = 0.0, 0
         while True:
             rounds += 1
-            groups, t = self.sample_groups(self.loader.next_batch(), round_index=rounds - 1)
-            seconds += t
+            groups, gen_s = self.sample_groups(self.loader.next_batch(), round_index=rounds - 1)
+            seconds += gen_s
             if not fg.enable:
                 return groups, rounds, seconds
             kept += [g for g in groups if g.has_signal(fg.metric)]
@@ -329,20 +333,21 @@ class GRPOTrainer:
                 break
         return (kept + flat)[:size], rounds, seconds
 
-    def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[Group], float]:
+    def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[PromptGroup], float]:
         """rollout.n samples of each prompt from vLLM (prompts split over its engines), scored."""
         r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
-        shards = _split(prompts, self.group.rollout_size)
+        shards = _split(prompts, self.workers.rollout_size)
         seed = self.run.trainer.seed
-        gen = self.group.generate(
+        gen = self.workers.generate(
             [
-                (
-                    [p.prompt_ids for p in shard],
-                    r.n,
-                    r.temperature,
-                    r.top_p,
-                    d.max_response_length,
-                    sampling_seed(seed, self.step, i, round_index),
+                GenerateRequest(
+                    prompt_ids=[p.prompt_ids for p in shard],
+                    n=r.n,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    max_tokens=d.max_response_length,
+                    seed=sampling_seed(seed, self.step, i, round_index),
+                    for_training=True,
                 )
                 for i, shard in enumerate(shards)
             ]
@@ -350,8 +355,8 @@ class GRPOTrainer:
         ob = alg.overlong_buffer
         buffer = (ob.len or max(1, d.max_response_length // 5)) if ob.enable else 0
         groups = []
-        for shard, (responses, logprobs, _) in zip(shards, gen):
-            for item, samples, lps in zip(shard, responses, logprobs):
+        for shard, rollouts in zip(shards, gen):
+            for item, samples, lps in zip(shard, rollouts.token_ids, rollouts.logprobs):
                 scores = [self.score(item, s) for s in samples]
                 overlong = [
                     algorithms.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
@@ -359,8 +364,9 @@ class GRPOTrainer:
                     else 0.0
                     for s in samples
                 ]
-                groups.append(Group(item, samples, lps, [x + p for x, p in zip(scores, overlong)], scores, overlong))
-        return groups, max(t for _, _, t in gen)
+                rewards = [x + p for x, p in zip(scores, overlong)]
+                groups.append(PromptGroup(item, samples, lps, rewards, scores, overlong))
+        return groups, max(rollouts.seconds for rollouts in gen)
 
     def score(self, item, response_ids: list[int]) -> float:
         return self.score_text(item, self.tokenizer.decode(response_ids, skip_special_tokens=True))
@@ -377,17 +383,19 @@ class GRPOTrainer:
 
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0
-        shards = _split(self.val_items, self.group.rollout_size)
+        shards = _split(self.val_items, self.workers.rollout_size)
         t0 = time.perf_counter()
-        gen = self.group.generate(
+        gen = self.workers.generate(
             [
-                ([p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i)
+                GenerateRequest(
+                    [p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i, False
+                )
                 for i, shard in enumerate(shards)
             ],
         )
         items, texts = [], []
-        for shard, (responses, _, _) in zip(shards, gen):
-            for item, samples in zip(shard, responses):
+        for shard, rollouts in zip(shards, gen):
+            for item, samples in zip(shard, rollouts.token_ids):
                 items.append(item)
                 texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
         out = validation_metrics(items, texts, self.run.reward, d.reward_fn)
@@ -395,18 +403,18 @@ class GRPOTrainer:
         return out
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
         if self.tracker is not None:
             self.tracker.finish()
             self.tracker = None
 
 
 @dataclass
-class Group:
-    """One prompt's rollout.n samples: token ids, the sampler's log-probs, rewards (the reward
-    function's scores plus the overlong penalties)."""
+class PromptGroup:
+    """One prompt's rollout.n samples (its GRPO group): token ids, the sampler's log-probs, rewards
+    (the reward function's scores plus the overlong penalties)."""
 
     item: Any
     samples: list[list[int]]
@@ -432,13 +440,3 @@ def _split(items: list, parts: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
-
-
-def _jsonable_rng(state):
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_rng(state):
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

@@ -1,9 +1,10 @@
 """One worker per device: a training engine and a vLLM rollout, colocated.
 
-The worker owns the sync decision, and it reads exactly one state for it: whether the
-rollout holds the base weights (`rollout.base_loaded`). The payload kind follows from it,
-the payload carries that kind, and the rollout dispatches on the payload. No second flag
-exists that could disagree.
+The worker places itself (process group, the rollout, then the engine) and answers the driver's
+three calls per step (lorarl.messages): generate, update, sync. Each concern has its own module:
+whether the rollout sleeps during the update (lorarl.rollout_sleep), the weight sync and its
+checks (lorarl.sync_session), the PPO update (lorarl.ppo), the checkpoint files
+(lorarl.checkpoint).
 """
 
 from __future__ import annotations
@@ -18,26 +19,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lorarl import memory, sync_checks
 from lorarl.batch import build_batch
+from lorarl.checkpoint import load_engine_state, save_engine_state
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
-from lorarl.engines.base import Engine, needs_old_logp
-from lorarl.memory import SleepPlan, plan_sleep
-from lorarl.sync import PayloadKind, SyncStats
+from lorarl.engines.base import Engine
+from lorarl.messages import GenerateRequest, Rollouts, SyncRequest, UpdateRequest
+from lorarl.peft_io import save_peft_adapter
+from lorarl.ppo import Correction, needs_old_logp, ppo_update
+from lorarl.rollout_sleep import RolloutSleep, can_sleep
+from lorarl.sync_session import SyncSession
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def all_ranks(ok: bool, device: torch.device) -> bool:
-    """Whether `ok` holds on every rank of the job (collective: every rank calls it)."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return flag.item() == 1.0
 
 
 class Worker:
@@ -48,13 +45,10 @@ class Worker:
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if threads:
             torch.set_num_threads(threads)
-        self.engine = None
+        self.engine: Engine | None = None
         self.rollout = None
-        self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
-        self.sleep_plan = SleepPlan(False, "not set up")
-        self._free_awake = 0  # bytes free beside the awake engine, measured in setup (GPU)
-        self._update_peak: tuple[int, int] | None = None  # (bytes, largest micro-batch's tokens)
-        self._some_rank_sleeps = False  # the same on every rank: whether re-planning can change anything
+        self.sleep: RolloutSleep | None = None
+        self.sync_session: SyncSession | None = None
 
     # Ray calls these on every worker before anything else.
     def location(self) -> dict:
@@ -120,18 +114,16 @@ class Worker:
             load_format=r.load_format,
             # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
             enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
-            enable_sleep_mode=self._sleep_mode,
+            enable_sleep_mode=can_sleep(self.run, self.device),
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
         )
         self.engine = make_engine(self.run, self.device)
-        self.sleep_plan = self._plan_sleep()
-        if self.device.type == "cuda":
-            self._some_rank_sleeps = not all_ranks(not self.sleep_plan.sleeps, self.device)
-        if self._sleeps:
-            self.rollout.sleep()
-        return self.dp_rank, self.dp_size, str(self.sleep_plan)
+        self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
+        self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
+        self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
+        return self.dp_rank, self.dp_size, str(self.sleep.plan)
 
     @property
     def rollout_rank(self) -> int:
@@ -147,232 +139,81 @@ class Worker:
     def dp_size(self) -> int:
         return self.engine.dp_size
 
-    @property
-    def _sleep_mode(self) -> bool:
-        """The engine is built able to sleep (GPU, unless rollout.free_cache_engine=false)."""
-        return self.device.type == "cuda" and self.run.rollout.free_cache_engine is not False
+    # ---- the step: generate, update, sync --------------------------------------------------
 
-    @property
-    def _sleeps(self) -> bool:
-        """The rollout sleeps during every update (decided once in setup, see lorarl.memory)."""
-        return self.sleep_plan.sleeps
-
-    def _plan_sleep(self) -> SleepPlan:
-        if self.device.type != "cuda":
-            return SleepPlan(False, "CPU: vLLM's CPU build cannot sleep")
-        setting = self.run.rollout.free_cache_engine
-        if setting is not None:
-            return plan_sleep(setting)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        self._free_awake = free
-        return plan_sleep(None, free, self._update_bytes())
-
-    def _replan_sleep(self) -> dict:
-        """After an update that ran with the rollout asleep on the estimate's word: awake from the
-        next update on if the update's measured peak fits beside the awake engine
-        (memory.plan_from_peak). Collective while any rank sleeps (decided once in setup, so no
-        step pays for it after), because all ranks must agree (the ranks of one engine sleep
-        together): one that does not fit keeps every rank's plan as it was."""
-        measured, self._update_peak = self._update_peak, None
-        if measured is None or not self._some_rank_sleeps or self.run.rollout.free_cache_engine is not None:
-            return {}
-        plan = self.sleep_plan
-        if plan.sleeps:
-            plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
-        if not all_ranks(not plan.sleeps, self.device):
-            return {}
-        self._some_rank_sleeps = False
-        if plan is self.sleep_plan:
-            return {}
-        self.sleep_plan = plan
-        return {"rollout/sleep_plan": str(plan)}
-
-    def _update_bytes(self) -> int:
-        from transformers import AutoConfig
-
-        m = self.run.model
-        hf_config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
-        return memory.run_update_bytes(
-            self.run,
-            memory.ModelDims.of(hf_config),
-            self.dp_size,
-            backend_of(self.run).model_parallel_size(self.run.backend),
-        )
-
-    # ---- rollout -------------------------------------------------------------------------
-
-    def generate(
-        self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int, seed: int
-    ) -> tuple[list[list[list[int]]], list[list[list[float]]], float]:
-        """Per prompt, n sampled responses and the sampler's log-prob of each token; seconds."""
-        t0 = time.perf_counter()
+    def generate(self, request: GenerateRequest) -> Rollouts:
         out = self.rollout.sample(
-            prompt_ids, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+            request.prompt_ids,
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
         )
-        return out.token_ids, out.logprobs, time.perf_counter() - t0
+        if request.for_training and self.sync_session.wants_probes:
+            self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
+        return out
 
-    # ---- training ------------------------------------------------------------------------
-
-    def update(
-        self,
-        prompts: list[list[int]],
-        responses: list[list[int]],
-        advantages: list[float],
-        step: int,
-        rollout_logprobs: list[list[float]] | None = None,
-    ) -> dict:
+    def update(self, request: UpdateRequest) -> dict:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
-        mini-batches); reference log-probs only when the KL loss uses them. The probe's
-        sequences are set apart (`set_probe`, per rollout engine).
+        mini-batches); reference log-probs only when the KL loss uses them.
         """
-        timing = {"timing/sleep": self.sleep(), "rollout/sleeps": float(self._sleeps)}
+        a, temperature = self.run.actor, request.sampling.temperature
+        timing = {"timing/sleep": self.sleep.sleep(), "rollout/sleeps": float(self.sleep.sleeps)}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
         batch = build_batch(
-            prompts, responses, self.engine.pad_token_id, advantages, self.engine.left_pad_prompts, rollout_logprobs
+            request.prompt_ids,
+            request.response_ids,
+            self.engine.pad_token_id,
+            request.advantages,
+            self.engine.left_pad_prompts,
+            request.rollout_logprobs,
         )
-        if needs_old_logp(self.run):
+        if needs_old_logp(a, self.run.data.train_batch_size, self.correction):
             t0 = time.perf_counter()
-            batch.old_logp = self.engine.log_probs(batch)
+            batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["timing/old_logp"] = time.perf_counter() - t0
-        if self.run.actor.use_kl_loss:
+        if a.use_kl_loss:
             t0 = time.perf_counter()
-            batch.ref_logp = self.engine.log_probs(batch, reference=True)
+            batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
             timing["timing/ref_logp"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        metrics = self.engine.update(batch, step)
+        metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
         timing["timing/update"] = time.perf_counter() - t0
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self._update_peak = (highest - before, int(metrics["actor/micro_batch_tokens_max"]))
+            self.sleep.record_update(highest - before, int(metrics["actor/micro_batch_tokens_max"]))
             metrics["memory/max_allocated_gib"] = highest / 2**30
             metrics["memory/update_peak_gib"] = (highest - before) / 2**30
         return {**metrics, **timing}
 
-    # ---- sync ----------------------------------------------------------------------------
-
-    def sync(self, probe: bool = True) -> dict:
-        """Bring the rollout up to date with the trainer. Collective over all workers.
-
-        With trainer.check_sync the fingerprint always runs, the probe when `probe` (and probe
-        sequences are set)."""
-        r = self.run.rollout
-        t_wake = 0.0
-        if self._sleeps:
-            t0 = time.perf_counter()
-            self.rollout.wake_up(tags=["weights"])
-            t_wake = time.perf_counter() - t0
-        stats: list[SyncStats] = []
-        checks: dict = {}
-        if self.run.model.lora.merge or not self.rollout.base_loaded:
-            payload, gather_s = self.engine.export(PayloadKind.BASE)
-            stats.append(self._apply(payload, gather_s))
-            if self.run.trainer.check_sync:
-                checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))
-        if not self.run.model.lora.merge:
-            method = "layered" if r.layered_summon else "bucketed"
-            # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
-            dtype = self.rollout.torch_dtype
-            payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=method, dtype=dtype)
-            stats.append(self._apply(payload, gather_s))
-            if self.run.trainer.check_sync:
-                checks.update(sync_checks.timed_adapter_check(self.rollout, payload, self.rank))
-        if self._sleeps:
-            t0 = time.perf_counter()
-            self.rollout.wake_up(tags=["kv_cache"])
-            t_wake += time.perf_counter() - t0
-        out = {
-            "sync/kind": "+".join(s.kind.value for s in stats),
-            "sync/num_tensors": sum(s.num_tensors for s in stats),
-            "sync/bytes": sum(s.bytes for s in stats),
-            "sync/gather_seconds": sum(s.gather_s for s in stats),
-            "sync/transfer_seconds": sum(s.transfer_s for s in stats),
-            "sync/load_seconds": sum(s.load_s for s in stats),
-            "sync/seconds": sum(s.seconds for s in stats),
-            "sync/num_adapters": self.rollout.num_adapters(),
-        }
-        if self._sleeps:
+    def sync(self, request: SyncRequest) -> dict:
+        """Wake the rollout's weights, sync and check them, wake its cache. Collective."""
+        t_wake = self.sleep.wake(["weights"])
+        out = self.sync_session.sync(request)
+        t_wake += self.sleep.wake(["kv_cache"])
+        if self.sleep.sleeps:
             out["timing/wake"] = t_wake
-        out.update(checks)
-        if self.run.trainer.check_sync and probe and self.probe_seqs is not None:
-            t0 = time.perf_counter()
-            out.update(self.probe())
-            out["sync/probe_seconds"] = time.perf_counter() - t0
         # Awake again here, so a changed plan takes effect at the next update's sleep.
-        out.update(self._replan_sleep())
+        out.update(self.sleep.replan())
         return out
 
-    def _apply(self, payload, gather_s: float) -> SyncStats:
-        stats = self.rollout.apply(payload)
-        stats.gather_s = gather_s
-        return stats
-
-    def sleep(self) -> float:
-        if not self._sleeps:
-            return 0.0
-        t0 = time.perf_counter()
-        self.rollout.sleep()
-        gc.collect()
-        torch.cuda.empty_cache()
-        return time.perf_counter() - t0
-
-    # The sync checks live in lorarl.sync_checks; these are their call sites.
-    def set_probe(self, sequences: list[list[int]]) -> None:
-        self.probe_seqs = sync_checks.choose_probes(sequences)
-
-    @property
-    def probe_bounds(self) -> sync_checks.ProbeBounds:
-        trainer_fp32 = self.engine.compute_dtype == torch.float32
-        return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.run.trainer.check_sync_tolerance)
-
-    def probe(self) -> dict[str, float]:
-        """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
-        reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
-        sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
-        return reading.as_metrics()
-
-    # ---- checkpoints ---------------------------------------------------------------------
+    # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
-        """Collective; rank 0 writes the adapter (PEFT folder) and the optimizer, every rank its RNG."""
-        from safetensors.torch import save_file
-
-        from lorarl.checkpoint import ADAPTER_DIR, flatten_optimizer_state, save_peft_adapter, write_json
-
-        out = Path(directory)
-        lora = self.engine.lora_state()
-        optim = self.engine.optimizer_state()
-        if self.rank == 0:
-            save_peft_adapter(out / ADAPTER_DIR, lora, self.engine.adapter_config())
-            tensors, meta = flatten_optimizer_state(optim)
-            save_file(tensors, str(out / "optimizer.safetensors"))
-            write_json(out / "optimizer.json", {**meta, "scheduler": self.engine.scheduler_state()})
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
+        save_engine_state(self.engine, directory, self.rank)
         dist.barrier()
 
     def load_checkpoint(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        from lorarl.checkpoint import ADAPTER_DIR, load_peft_adapter, read_json, unflatten_optimizer_state
-
-        src = Path(directory)
-        lora, _ = load_peft_adapter(src / ADAPTER_DIR)
-        meta = read_json(src / "optimizer.json")
-        optim = unflatten_optimizer_state(load_file(str(src / "optimizer.safetensors")), meta)
-        self.engine.load_state(lora, optim, meta["scheduler"])
-        rng = src / f"rng_rank{self.rank}.safetensors"
-        if rng.is_file():
-            torch.set_rng_state(load_file(str(rng))["torch"])
+        load_engine_state(self.engine, directory, self.rank)
 
     def export_adapter(self, directory: str) -> None:
         """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
         LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
-        from lorarl.checkpoint import save_peft_adapter
-
         lora = self.engine.lora_state()
         if self.rank == 0:
             config = self.engine.adapter_config()

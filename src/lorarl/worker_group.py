@@ -16,6 +16,8 @@ from typing import Any
 
 from lorarl.config import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
+from lorarl.messages import GenerateRequest, Rollouts, SyncRequest, UpdateRequest
+from lorarl.sync_session import merge_reports
 from lorarl.worker import Worker, worker_env
 
 # How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
@@ -165,24 +167,19 @@ class WorkerGroup:
 
     # ---- the step: three round trips --------------------------------------------------------
 
-    def generate(self, per_engine: list[tuple]) -> list[tuple[list[list[list[int]]], float]]:
-        """Worker.generate(*args) with one argument tuple per rollout engine (rollout_size of
-        them); one result per engine, from its first worker."""
-        refs = [w.generate.remote(*per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
+    def generate(self, per_engine: list[GenerateRequest]) -> list[Rollouts]:
+        """One request per rollout engine (rollout_size of them); one result per engine, from its
+        first worker."""
+        refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
         return self._first_of(self.rollout_replica, refs)
 
-    def update(self, per_replica: list[tuple]) -> list[dict]:
-        """Worker.update(*args) (sleep, log-probs, PPO update) per replica; one result per replica."""
-        return self._per_replica([w.update.remote(*per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+    def update(self, per_replica: list[UpdateRequest]) -> list[dict]:
+        """Sleep, log-probs, PPO update: one request and one metrics dict per data-parallel replica."""
+        return self._per_replica([w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
 
-    def set_probes(self, per_engine: list[list[list[int]]]) -> None:
-        """The parity probe's sequences, one list per rollout engine (its workers share them)."""
-        self._get([w.set_probe.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)])
-
-    def sync(self, probe: bool = True) -> list[dict]:
-        """Worker.sync on every worker (wake, payloads, checks; the probe when `probe`); one
-        result per worker."""
-        return self._get([w.sync.remote(probe) for w in self.workers])
+    def sync(self, request: SyncRequest) -> dict:
+        """Every worker's sync (wake, payloads, checks, the probe when due), as one report."""
+        return merge_reports(self._get([w.sync.remote(request) for w in self.workers]))
 
     # ---- checkpoints ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 
-from lorarl.engines.fsdp import shard
+from lorarl.engines.fsdp_shard import shard
 
 
 def main() -> None:

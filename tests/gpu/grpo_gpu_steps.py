@@ -102,6 +102,7 @@ def make_run(
         f"trainer.n_gpus_per_node={world}",
         f"trainer.device={device}",
         "trainer.check_sync=true",
+        "trainer.check_sync_probe_freq=1",  # the parity probe after every step's sync
         f"trainer.check_sync_tolerance={0.1 if tiny else 0.25}",
     ]
     if backend == "megatron":
@@ -139,7 +140,9 @@ def main() -> None:
     from bench.common import cache_dir
     from lorarl import algorithms
     from lorarl.data.arith import make_rows
+    from lorarl.messages import GenerateRequest, SyncRequest, UpdateRequest
     from lorarl.rewards import get_reward_fn
+    from lorarl.trainer import sampling_of
     from lorarl.worker import Worker
 
     cache = cache_dir(args.cache)
@@ -171,7 +174,7 @@ def main() -> None:
     dp_rank, dp_size, _ = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     setup_s = time.perf_counter() - t0
     phase(f"worker set up in {setup_s:.1f} s; first sync")
-    first = worker.sync()
+    first = worker.sync(SyncRequest(step=0, last=False))
     phase(f"first sync: {first}")
 
     rows = make_rows(args.batch * dp_size * (args.steps + 1), seed=1, split="train")
@@ -187,9 +190,11 @@ def main() -> None:
         prompts = [
             tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch
         ]
-        responses, _, t_gen = worker.generate(
-            prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank
+        # The first training rollout also sets the sync probe's sequences (lorarl.sync_session).
+        out = worker.generate(
+            GenerateRequest(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank, True)
         )
+        responses, t_gen = out.token_ids, out.seconds
         if dp_size < world:  # ranks of one model-parallel replica train on one set of samples, as the trainer does
             every = [None] * world
             dist.all_gather_object(every, (dp_rank, responses))
@@ -207,12 +212,10 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        if step == 1:
-            worker.set_probe([p_ids[k] + r_ids[k] for k in range(0, len(p_ids), args.n)])
-        train = worker.update(p_ids, r_ids, adv, step)
+        train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, sampling_of(run)))
         t_sleep = train["timing/sleep"]
         t_sync0 = time.perf_counter()
-        sync = worker.sync()
+        sync = worker.sync(SyncRequest(step=step, last=step == args.steps))
         t_sync = time.perf_counter() - t_sync0
         tokens = sum(len(r) for r in r_ids)
         log.append(
@@ -321,26 +324,26 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
 
 
 def _resend(worker) -> tuple[dict, float]:
-    """worker.sync() with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
+    """worker.sync with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
     from lorarl import sync_checks
+    from lorarl.messages import SyncRequest
 
-    t = worker.run.trainer
-    check = t.check_sync
-    t.check_sync = False
+    session = worker.sync_session
+    check, session.check = session.check, False
     try:
-        out = worker.sync()
+        out = worker.sync(SyncRequest(step=0, last=False))
     finally:
-        t.check_sync = check
-    return out, sync_checks.measure_probe(worker.engine, worker.rollout, worker.probe_seqs).sync_max
+        session.check = check
+    return out, sync_checks.measure_probe(worker.engine, worker.rollout, session.probe_seqs).sync_max
 
 
 def _greedy_and_probe(worker, prompts):
     """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
     so cached and fresh prefills are never compared."""
     r = worker.rollout
-    seq, start = worker.probe_seqs[0], 1
+    seq, start = worker.sync_session.probe_seqs[0], 1
     r.reset_prefix_cache()
-    tokens = r.generate(prompts, n=1, temperature=0.0, max_tokens=16)
+    tokens = r.sample(prompts, n=1, temperature=0.0, max_tokens=16).token_ids
     r.reset_prefix_cache()
     return tokens, torch.tensor(r.prompt_logprobs(seq, start))
 
@@ -379,7 +382,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.probe()["sync/logprob_diff_max"]
+    probe1 = worker.sync_session.probe()["sync/logprob_diff_max"]
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded

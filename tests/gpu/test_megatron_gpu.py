@@ -68,6 +68,24 @@ CHECKED_WEIGHTS = (
 # ---------------------------------------------------------------------------------------------
 
 
+def lora_shards(engine) -> dict[str, list[torch.Tensor]]:
+    """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP), to
+    cross-check the bridge's adapter export against names.megatron_lora_to_peft."""
+    import torch.distributed as dist
+
+    group = engine.ps.get_tensor_model_parallel_group()
+    out: dict[str, list[torch.Tensor]] = {}
+    for chunk in engine.model:
+        for name, p in chunk.named_parameters():
+            if ".adapter." not in name:
+                continue
+            local = p.detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(engine.tp)]
+            dist.all_gather(parts, local, group=group)
+            out[name] = parts
+    return out
+
+
 def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
     from lorarl.config import compose
 
@@ -116,12 +134,18 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
+    from lorarl.messages import Sampling
+    from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
     out = Path(out_dir)
     t0 = time.perf_counter()
-    engine = MegatronEngine(_run_config(hf_dir, tp, pp, dtype, variant))
+    run = _run_config(hf_dir, tp, pp, dtype, variant)
+    engine = MegatronEngine(run)
+    temp = run.rollout.temperature
+    sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
+    correction = Correction.of(run.algorithm.rollout_correction, "cuda")
     rank = dist.get_rank()
     result: dict = {
         "tp": tp,
@@ -151,26 +175,26 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     responses = [torch.randint(10, 1000, (RESPONSE_LEN - i % 5,), generator=g).tolist() for i in range(N_SEQ)]
     advantages = [1.0 if i % 2 else -1.0 for i in range(N_SEQ)]
     batch = build_batch(prompts, responses, pad_id=0, advantages=advantages)
-    policy0 = engine.log_probs(batch)
-    reference0 = engine.log_probs(batch, reference=True)
+    policy0 = engine.log_probs(batch, temperature=temp)
+    reference0 = engine.log_probs(batch, temperature=temp, reference=True)
     mask = batch.response_mask.bool()
     result["initial_policy_vs_reference_max"] = float((policy0 - reference0).abs()[mask].max())
 
     metrics = []
     for step in range(3):
-        batch.old_logp = engine.log_probs(batch)
-        batch.ref_logp = engine.log_probs(batch, reference=True)
+        batch.old_logp = engine.log_probs(batch, temperature=temp)
+        batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = engine.update(batch, step)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics
-    reference1 = engine.log_probs(batch, reference=True)
+    reference1 = engine.log_probs(batch, temperature=temp, reference=True)
     result["reference_drift_max"] = float((reference1 - reference0).abs()[mask].max())
 
     probe = build_batch([list(range(100, 130))], [list(range(500, 534))], pad_id=0)
-    probe_policy = engine.log_probs(probe)
-    probe_reference = engine.log_probs(probe, reference=True)
+    probe_policy = engine.log_probs(probe, temperature=temp)
+    probe_reference = engine.log_probs(probe, temperature=temp, reference=True)
 
     t = time.perf_counter()
     try:
@@ -190,7 +214,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     # our split of the raw shards vs the bridge's export (layer numbers are stage-local with PP)
     if pp == 1:
         shape = AttentionShape.from_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
-        ours = megatron_lora_to_peft(engine.lora_shards(), shape)
+        ours = megatron_lora_to_peft(lora_shards(engine), shape)
         result["own_split_names_equal"] = set(ours) == set(adapter)
         result["own_split_max_diff"] = max(
             float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter

@@ -27,9 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.messages import SyncRequest
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 STEPS_7B = 20
+
+# A sync that runs the probe whenever its sequences are set (the run's last step).
+PROBING_SYNC = SyncRequest(step=1, last=True)
 
 
 def log_dir() -> Path:
@@ -140,7 +145,7 @@ def worker():
         port = s.getsockname()[1]
     w.setup("127.0.0.1", port)
     gen = torch.Generator().manual_seed(0)
-    w.set_probe([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
+    w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
     yield w
     w.shutdown()
 
@@ -173,9 +178,9 @@ def fingerprint_error(worker, lora: dict) -> str:
 def probe_reading(worker) -> dict:
     from lorarl import sync_checks
 
-    reading = sync_checks.measure_probe(worker.engine, worker.rollout, worker.probe_seqs)
+    reading = sync_checks.measure_probe(worker.engine, worker.rollout, worker.sync_session.probe_seqs)
     try:
-        sync_checks.judge_probe(reading, worker.probe_bounds)
+        sync_checks.judge_probe(reading, worker.sync_session.probe_bounds)
         verdict = "pass"
     except Exception as err:  # noqa: BLE001 - recorded, asserted by the caller
         verdict = str(err)
@@ -185,7 +190,7 @@ def probe_reading(worker) -> dict:
 def test_bf16_mutations_on_gpu(worker):
     record: dict = {}
     lora = moved_adapter(worker, seed=1)
-    out = worker.sync()
+    out = worker.sync(PROBING_SYNC)
     record["correct"] = {k: v for k, v in out.items() if k.startswith("sync/")}
     assert out["sync/adapter_match"] == 1.0
 
@@ -195,19 +200,19 @@ def test_bf16_mutations_on_gpu(worker):
     assert record["skipped_sync"]["probe"]["verdict"] != "pass"
 
     lora = stale
-    worker.sync()
+    worker.sync(PROBING_SYNC)
     apply_mutated(worker, lora, lambda t: [v.zero_() for v in t.values()])
     record["zeroed"] = {"fingerprint": fingerprint_error(worker, lora), "probe": probe_reading(worker)}
     assert "holds zeros" in record["zeroed"]["fingerprint"]
     assert record["zeroed"]["probe"]["verdict"] != "pass"
 
-    worker.sync()
+    worker.sync(PROBING_SYNC)
     name = "base_model.model.model.layers.11.mlp.down_proj.lora_B.weight"
     apply_mutated(worker, lora, lambda t: t[name].zero_())
     record["one_b_left_out"] = {"fingerprint": fingerprint_error(worker, lora), "probe": probe_reading(worker)}
     assert "lora_B of 'model.layers.11.mlp.down_proj'" in record["one_b_left_out"]["fingerprint"]
 
-    out = worker.sync()
+    out = worker.sync(PROBING_SYNC)
     record["resynced"] = {k: v for k, v in out.items() if k.startswith("sync/")}
     assert out["sync/adapter_match"] == 1.0
     (log_dir() / "bf16_mutations_0_5b.json").write_text(json.dumps(record, indent=1, default=str))

@@ -13,10 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from lorarl.errors import ConfigError, DataError
+from lorarl.errors import DataError
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model.ground_truth")
-TRUNCATION_MODES = ("error", "left", "right")
 
 
 def write_parquet(rows: list[dict], path: str | os.PathLike) -> Path:
@@ -114,11 +113,8 @@ def build_prompts(
     filter_overlong_prompts: bool,
     truncation: str = "error",
 ) -> tuple[list[PromptItem], int]:
-    """Tokenize each row's chat prompt; returns the items and how many were filtered out."""
-    if truncation not in TRUNCATION_MODES:
-        raise ConfigError(f"data.truncation={truncation!r} is unknown; use one of {', '.join(TRUNCATION_MODES)}")
-    if max_prompt_length <= 0:
-        raise ConfigError(f"data.max_prompt_length={max_prompt_length} must be positive")
+    """Tokenize each row's chat prompt; returns the items and how many were filtered out.
+    `max_prompt_length` and `truncation` as lorarl.schema.DataConfig checks them."""
     if not rows:
         raise DataError("no prompt rows to build from; check data.train_files / data.val_files")
     items: list[PromptItem] = []
@@ -173,8 +169,6 @@ class PromptLoader:
         seed: int,
         drop_last: bool = True,
     ) -> None:
-        if batch_size <= 0:
-            raise ConfigError(f"data.train_batch_size={batch_size} must be positive")
         if batch_size > len(items):
             raise DataError(
                 f"data.train_batch_size={batch_size} is larger than the {len(items)} prompts available; "

@@ -8,9 +8,8 @@ choosing FSDP never imports Megatron.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lorarl.config import RunConfig
@@ -24,8 +23,6 @@ class Backend:
     # HF projection names in model.lora.target_modules are checked against the checkpoint
     # (Megatron's bridge maps its own names and checks them itself).
     checks_hf_lora_targets: bool
-    # Devices that hold one model replica (and see the same data).
-    model_parallel_size: Callable[[Any], int]
 
     def engine_class(self) -> type:
         module, name = self.engine.split(":")
@@ -38,14 +35,12 @@ BACKENDS: dict[str, Backend] = {
         engine="lorarl.engines.fsdp:FSDPEngine",
         needs_cuda=False,
         checks_hf_lora_targets=True,
-        model_parallel_size=lambda b: 1,
     ),
     "megatron": Backend(
         option="megatron",
         engine="lorarl.engines.megatron.engine:MegatronEngine",
         needs_cuda=True,
         checks_hf_lora_targets=False,
-        model_parallel_size=lambda b: b.tensor_model_parallel_size * b.pipeline_model_parallel_size,
     ),
 }
 

@@ -1,10 +1,10 @@
-"""The contract both training engines implement, and the one PPO update they share.
+"""The contract both training engines implement.
 
 An engine owns a sharded (FSDP2) or model-parallel (Megatron) policy with LoRA: it runs
-forward passes, applies optimizer steps and exports weights. Everything about what a step
-computes lives here once: mini-batches, micro-batches (fixed rows or a token budget), the
-PPO-clip loss with its global normalisation, the KL and entropy terms, and the metrics.
-An engine contributes only how to run its forward/backward over a list of micro-batches.
+forward passes, applies optimizer steps and exports weights. What a step computes (mini-batches,
+micro-batches, the PPO-clip loss, KL and entropy terms, metrics) lives once in lorarl.ppo, which
+the worker calls with the engine; an engine contributes only how to run its forward/backward
+over a list of micro-batches.
 
 Every method of an engine is collective: all ranks of the job call it in the same order,
 each with its own data-parallel share (ranks of one tensor/pipeline group pass the same).
@@ -18,10 +18,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from lorarl import algorithms
-from lorarl import rollout_correction as rcorr
-from lorarl.batch import TrainBatch, micro_batches, padded_tokens, padding_frac, split_to
-from lorarl.config import RunConfig
+from lorarl.batch import TrainBatch
 from lorarl.errors import TrainingError
 from lorarl.sync import PayloadKind, WeightPayload
 
@@ -45,17 +42,16 @@ class Engine(Protocol):
     compute_dtype: torch.dtype  # dtype of the forward's matmuls (what the parity probe's bound reads)
     left_pad_prompts: bool  # the batch layout it wants (lorarl.batch.build_batch)
 
-    def log_probs(
-        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
-    ) -> torch.Tensor:
-        """[B, L-1] float32 on CPU: log p(token t+1) at the rollout temperature (or `temperature`);
-        `reference=True` with the adapter disabled."""
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
+        """[B, L-1] float32 on CPU: log p(token t+1) at `temperature`; `reference=True` with the
+        adapter disabled. Micro-batches as lorarl.ppo.plan_micro_batches cuts them for a pass
+        without backward."""
 
     def forward_backward(
-        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
     ) -> list[dict[str, float]]:
-        """Forward, loss_fn, backward for each micro-batch, gradients accumulated; their
-        metrics, read after the last micro-batch (`read_metrics`)."""
+        """Forward at `temperature`, loss_fn, backward for each micro-batch, gradients
+        accumulated; their metrics, read after the last micro-batch (`read_metrics`)."""
 
     def optimizer_step(self, step: int) -> float:
         """Clip, step, zero the gradients; the grad norm. A non-finite norm raises TrainingError
@@ -67,8 +63,14 @@ class Engine(Protocol):
     def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """Sum or max of `values` over data-parallel replicas."""
 
-    def export(self, kind: PayloadKind, method: str) -> tuple[WeightPayload, float]:
-        """The payload of `kind` and the seconds spent gathering it; every rank gets it whole."""
+    EXPORT_METHODS: tuple[str, ...]  # how this engine can gather an adapter; the first is its default
+
+    def export(
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[WeightPayload, float]:
+        """The payload of `kind` and the seconds spent gathering it; every rank gets it whole.
+        `method` is one of EXPORT_METHODS (None: the first; base payloads ignore it), `dtype`
+        the dtype adapter tensors are cast to (None: as trained)."""
 
     def adapter_config(self) -> dict: ...
 
@@ -80,185 +82,6 @@ class Engine(Protocol):
     def optimizer_state(self) -> dict: ...
 
     def scheduler_state(self) -> dict: ...
-
-
-def is_on_policy(run: RunConfig) -> bool:
-    """One PPO epoch over one mini-batch: the update's first forward sees exactly the weights
-    that sampled, so the old log-probs are that forward's own values, detached (ratio 1 with
-    the same gradient), and the separate old-log-prob pass is skipped."""
-    return run.actor.ppo_epochs == 1 and run.actor.ppo_mini_batch_size == run.data.train_batch_size
-
-
-def needs_old_logp(run: RunConfig) -> bool:
-    """Whether the update needs the trainer's log-probs from a pass of their own: off-policy
-    (unless bypass mode makes the sampler's log-probs pi_old), or when the rollout correction
-    must be known before the loss is normalised (rejection, batch-normalised weights)."""
-    bypass = run.algorithm.rollout_correction.bypass_mode
-    return _Correction.of(run).first or not (is_on_policy(run) or bypass)
-
-
-def log_prob_token_budget(run: RunConfig) -> int:
-    """Padded tokens per forward of a pass without backward: nothing is kept for autograd, so
-    it holds a layer's transient activations and the logits, not every layer's activations. At
-    twice the update's budget its peak stays under what lorarl.memory counts for the update
-    (bf16 logits of 2x the tokens against the update's 3 logit-sized buffers, one layer's
-    activations against all of them), so the sleep decision holds for it too. On one H200 the
-    7B step's reference pass took 0.99 s at 8192 tokens, 1.33 s at 4096 a release before."""
-    a = run.actor
-    return a.log_prob_max_token_len_per_gpu or 2 * a.ppo_max_token_len_per_gpu
-
-
-def plan_micro_batches(engine: Engine, batch: TrainBatch, run: RunConfig, *, backward: bool = True) -> list[list[int]]:
-    """Row indices per micro-batch: `ppo_micro_batch_size_per_gpu` rows, or with
-    `use_dynamic_bsz` a budget of `ppo_max_token_len_per_gpu` padded tokens
-    (`log_prob_token_budget` for a pass with no backward). Collective: every data-parallel rank
-    gets the same number of micro-batches (FSDP gathers weights per forward)."""
-    a = run.actor
-    lengths = batch.lengths.tolist()
-    if not a.use_dynamic_bsz:
-        return micro_batches(lengths, rows=a.ppo_micro_batch_size_per_gpu)
-    budget = a.ppo_max_token_len_per_gpu if backward else log_prob_token_budget(run)
-    groups = micro_batches(lengths, token_budget=budget)
-    count = int(engine.dp_all_reduce([len(groups)], op="max")[0])
-    return split_to(groups, count, lengths)
-
-
-def ppo_update(engine: Engine, batch: TrainBatch, step: int, run: RunConfig) -> dict[str, float]:
-    """PPO-clip epochs over shuffled mini-batches, one optimizer step per mini-batch.
-
-    `batch` is this replica's share; `batch.old_logp` None means on-policy (see is_on_policy).
-    Losses are normalised over the whole mini-batch (all micro-batches, all replicas), as the
-    gradient of one big batch would be: each micro-batch's sum is divided by the mini-batch's
-    count / dp_size, and the gradient average over replicas does the rest. A rollout correction
-    that rejects tokens rewrites `response_mask` first (correct_before_update), so the loss, its
-    KL and entropy terms are divided by what survives, as in verl.
-    """
-    a = run.actor
-    mini = a.ppo_mini_batch_size * run.rollout.n // engine.dp_size
-    gen = torch.Generator().manual_seed(run.trainer.seed * 100003 + step)
-    entropy_mode: EntropyMode = "grad" if a.entropy_coeff != 0.0 else "metric"
-    correction = _Correction.of(run)
-    sums: dict[str, list[float]] = {}
-    before = correct_before_update(engine, batch, correction) if correction.first else {}
-    for _ in range(a.ppo_epochs):
-        shuffled = batch.select(torch.randperm(len(batch), generator=gen))
-        for start in range(0, len(batch), mini):
-            minibatch = shuffled.select(slice(start, start + mini))
-            groups = plan_micro_batches(engine, minibatch, run)
-            loss_fn = _ppo_loss(run, loss_denominator(engine, minibatch, run), correction)
-            micro = [minibatch.select(g) for g in groups]
-            for metrics in engine.forward_backward(micro, loss_fn, entropy_mode):
-                loss = metrics.pop(LOSS_KEY)
-                if not math.isfinite(loss):
-                    # Before the optimizer step: the weights stay as they were.
-                    raise TrainingError(f"step {step}: loss is {loss} (pg {metrics['actor/pg_loss']}); stopping")
-                for k, v in metrics.items():
-                    sums.setdefault(k, []).append(v)
-            sums.setdefault("actor/padding_frac", []).append(padding_frac(micro))
-            sums.setdefault("actor/grad_norm", []).append(engine.optimizer_step(step))
-            sums.setdefault("actor/micro_batches", []).append(len(groups))
-            # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
-            sums.setdefault("actor/micro_batch_tokens_max", []).append(max(padded_tokens(m) for m in micro))
-    result = reduce_metrics(sums)
-    result.update(before)
-    result["actor/lr"] = engine.end_step()
-    return result
-
-
-def loss_denominator(engine: Engine, minibatch: TrainBatch, run: RunConfig) -> float:
-    """What each micro-batch's loss sum is divided by (see algorithms.agg_loss): the mini-batch's
-    kept tokens or sequences over all replicas / dp_size; for seq-mean-token-sum-norm the
-    constant (actor.loss_scale_factor, default data.max_response_length) / dp_size, so the
-    mini-batch's loss is its sum over sequences and tokens / the constant whatever the number of
-    replicas (verl's engine also divides that by dp_size; the same at one replica)."""
-    a = run.actor
-    if a.loss_agg_mode == "seq-mean-token-sum-norm":
-        return float(a.loss_scale_factor or run.data.max_response_length) / engine.dp_size
-    count = algorithms.agg_count(minibatch.response_mask, a.loss_agg_mode)
-    return max(engine.dp_all_reduce([count])[0], 1.0) / engine.dp_size
-
-
-class _Correction:
-    """algorithm.rollout_correction resolved for this run: the weight level (auto decided), the
-    rejection criteria, and whether they must be computed before the update."""
-
-    def __init__(self, level: str | None, threshold: float, rules: tuple, normalize: bool, bypass: bool):
-        self.level, self.threshold, self.rules, self.bypass = level, threshold, rules, bypass
-        self.normalize = normalize and level is not None
-        self.first = rcorr.needs_trainer_logp_first(rules, self.normalize)
-
-    @classmethod
-    def of(cls, run: RunConfig) -> _Correction:
-        rc = run.algorithm.rollout_correction
-        level = rcorr.resolve_is_level(rc.rollout_is, run.trainer.device, rc.bypass_mode)
-        rules = rcorr.parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
-        return cls(level, rc.rollout_is_threshold, rules, rc.rollout_is_batch_normalize, rc.bypass_mode)
-
-
-def correct_before_update(engine: Engine, batch: TrainBatch, c: _Correction) -> dict[str, float]:
-    """Rejection and batch-normalised weights on this replica's whole batch, from the trainer's
-    log-probs of the pass before the update: rewrites batch.response_mask (so every denominator
-    counts what survives) and sets batch.is_weights. Collective (the batch mean weight)."""
-    if batch.old_logp is None or batch.rollout_logp is None:
-        raise TrainingError("rollout correction with rejection or batch-normalised weights needs the trainer's and the sampler's log-probs before the update")  # fmt: skip
-    weights, mask, metrics = rcorr.correct(
-        batch.old_logp, batch.rollout_logp, batch.response_mask, c.level, c.threshold, c.rules
-    )
-    out = {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
-    if weights is not None and c.normalize:
-        total, count = engine.dp_all_reduce(list(rcorr.batch_mean_weight(weights, batch.response_mask, c.level)))
-        mean = total / max(count, 1.0)
-        if mean > 1e-8:
-            weights = weights / mean
-        out["rollout_corr/rollout_is_batch_norm_factor"] = mean if mean > 1e-8 else 1.0
-    batch.response_mask, batch.is_weights = mask, weights
-    return out
-
-
-def _ppo_loss(run: RunConfig, denom: float, c: _Correction) -> LossFn:
-    a = run.actor
-    norm_len = a.loss_scale_factor or run.data.max_response_length
-
-    def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
-        mask = mb.response_mask
-        # The trainer's log-probs of the sampled tokens at the sampling weights: this forward's
-        # own, detached, on the on-policy path (so token TIS costs no extra pass).
-        trainer = logp.detach() if mb.old_logp is None else mb.old_logp
-        old = mb.rollout_logp if c.bypass else trainer
-        metrics: dict[str, float] = {}
-        weights = mb.is_weights
-        if mb.rollout_logp is not None and not c.first:
-            # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
-            weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
-            metrics.update({f"rollout_corr/{k}": v for k, v in corr.items()})
-        pg_loss, pg_metrics = algorithms.policy_loss(
-            logp,
-            old,
-            mb.advantages,
-            mask,
-            clip_ratio_low=run.clip_low,
-            clip_ratio_high=run.clip_high,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode,
-            denom=denom,
-            norm_len=norm_len,
-            mode=a.policy_loss,
-            weights=None if c.bypass else weights,
-        )
-        loss = pg_loss
-        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
-        if entropy is not None:
-            if a.entropy_coeff != 0.0:
-                loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/entropy"] = algorithms.masked_mean(entropy.detach(), mask)
-        if a.use_kl_loss:
-            kl = algorithms.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algorithms.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/kl_loss"] = algorithms.masked_mean(kl.detach(), mask)
-        metrics[LOSS_KEY] = loss.detach()
-        return loss, metrics
-
-    return loss_fn
 
 
 def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:

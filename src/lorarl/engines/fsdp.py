@@ -23,26 +23,25 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lorarl import algorithms
-from lorarl.batch import TrainBatch, causal_mask, position_ids
+from lorarl.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
 from lorarl.config import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
     check_grad_norm,
-    plan_micro_batches,
-    ppo_update,
     read_metrics,
 )
-from lorarl.errors import ConfigError, ModelError, TrainingError, first_line
+from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
+from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
+from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
-LIGER_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,94 +92,12 @@ def load_lora_model(run: RunConfig, device: torch.device):
     return peft_model
 
 
-def use_liger_kernel(run: RunConfig, device: torch.device) -> bool:
-    """backend.liger_kernel, with null resolved: on when training on CUDA (Triton kernels) and
-    the layers are not compiled (the compiler fuses the same elementwise work itself)."""
-    want = run.backend.liger_kernel
-    if want is None:
-        return device.type == "cuda" and not run.backend.compile
-    if want and device.type != "cuda":
-        raise ConfigError(
-            f"backend.liger_kernel=true needs CUDA (Triton kernels), but training runs on {device.type}; "
-            "set backend.liger_kernel=null or false"
-        )
-    return want
-
-
-def apply_liger_kernel(model) -> None:
-    """Liger's fused RMSNorm, SwiGLU and RoPE in place of HF's eager ops, patched into the loaded
-    model before PEFT wraps its linears. At 152k vocabulary and LoRA on every projection, the
-    update's time beyond its matmuls is elementwise work; each of these replaces several
-    kernels forward and backward with one. Liger's fused linear cross entropy stays off: the
-    PPO loss needs per-token log-probs, which token_logprobs computes."""
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2, apply_liger_kernel_to_qwen3
-    except ImportError as err:
-        raise ConfigError(
-            f"backend.liger_kernel: liger-kernel is not importable ({first_line(err)}); "
-            "pip install -e '.[gpu]', or set backend.liger_kernel=false"
-        ) from err
-    patch = dict(zip(LIGER_MODEL_TYPES, (apply_liger_kernel_to_qwen2, apply_liger_kernel_to_qwen3))).get(
-        model.config.model_type
-    )
-    if patch is None:
-        raise ConfigError(
-            f"backend.liger_kernel: no Liger kernels for model_type {model.config.model_type!r} "
-            "(qwen2, qwen3); set backend.liger_kernel=false"
-        )
-    patch(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
-
-
 def takes_prepared_masks(config) -> bool:
     """Whether the model's forward takes the attention masks ready-made, as a dict keyed by
     layer type (transformers' Qwen2/Qwen3 code; `generate` hands them over so). Only for models
     whose every layer attends fully: one causal mask then serves all of them."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     return config.model_type in ("qwen2", "qwen3") and set(layer_types) == {"full_attention"}
-
-
-def decoder_layers(peft_model) -> list[torch.nn.Module]:
-    inner = peft_model.base_model.model  # the HF *ForCausalLM
-    return list(inner.model.layers)
-
-
-def compile_layers(peft_model) -> None:
-    """torch.compile every decoder layer (LoRA linears included) in place, which keeps the
-    parameter names. The layers share one compiled graph (modules are graph inputs, not
-    constants), compiled for dynamic shapes since every micro-batch has its own rows and length.
-    Called before `shard`: FSDP's hooks run around the compiled call, not inside it."""
-    for layer in decoder_layers(peft_model):
-        layer.compile(dynamic=True)
-
-
-def shard(peft_model, mesh, device: torch.device, **fsdp_kwargs):
-    """fully_shard every decoder layer, then the root; then one token through it, adapter on.
-
-    FSDP2 fixes each unit's gradient dtypes at the root's first forward, from the parameters
-    that require grad at that moment. PEFT's disable_adapter() switches requires_grad off, so a
-    first forward for reference log-probs left the float32 LoRA weights with bf16 gradients,
-    which torch refuses to assign (seen on GPU with KL loss before any update)."""
-    for layer in decoder_layers(peft_model):
-        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
-    fully_shard(peft_model, mesh=mesh, **fsdp_kwargs)
-    with torch.no_grad():
-        peft_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    if not fsdp_kwargs.get("reshard_after_forward", True):
-        reshard_all(peft_model)
-    return peft_model
-
-
-def reshard_all(peft_model) -> None:
-    """Register the sharded parameters again after a forward without autograd.
-
-    With `reshard_after_forward=False` FSDP2 keeps a forward's unsharded parameters registered
-    until the backward reshards them, and a forward under no_grad has no backward. Everything
-    else reads the registered parameters as the shards: the optimizer's list, the adapter
-    gather, PEFT's adapter switch setting requires_grad (on the unsharded copies, the sharded
-    LoRA weights would stay frozen and an update's loss have no graph)."""
-    for module in peft_model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 class FSDPEngine:
@@ -212,7 +129,6 @@ class FSDPEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
-        self.temperature = max(run.rollout.temperature, 1e-6) if run.rollout.temperature > 0 else 1.0
         self.prepared_masks = takes_prepared_masks(self.model.config) and not run.model.trust_remote_code
 
     # ---- the Engine contract's plain facts ----------------------------------------------
@@ -294,36 +210,30 @@ class FSDPEngine:
     # the next micro-batch's kernels.
 
     @torch.no_grad()
-    def log_probs(
-        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
-    ) -> torch.Tensor:
-        """Log-probs of every next token at the rollout temperature (or `temperature`);
-        `reference=True` runs the base with the adapter disabled."""
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
+        """Log-probs of every next token at `temperature`; `reference=True` runs the base with
+        the adapter disabled."""
         self.model.eval()
-        temp = self.temperature if temperature is None else temperature
-        groups = plan_micro_batches(self, batch, self.run, backward=False)
-        micro = [batch.select(rows) for rows in groups]
+        row_sets = plan_micro_batches(self, batch, self.run.actor, backward=False)
+        micro = [batch.select(rows) for rows in row_sets]
         prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
-            results = [self._forward(*p, temp, entropy="none")[0] for p in prepared]
+            results = [self._forward(*p, temperature, entropy="none")[0] for p in prepared]
             if not self.run.backend.reshard_after_forward:
                 # Before the adapter is turned back on, which sets requires_grad on whichever
                 # parameters are registered at that moment (see reshard_all).
                 reshard_all(self.model)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        for rows, mb, logp in zip(groups, micro, results, strict=True):
+        for rows, mb, logp in zip(row_sets, micro, results, strict=True):
             first, last = mb.trim_span()
             out[rows, first : last - 1] = logp.float().cpu()
         return out
 
-    # ---- update --------------------------------------------------------------------------
-
-    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        return ppo_update(self, batch, step, self.run)
+    # ---- update (lorarl.ppo drives it) ----------------------------------------------------
 
     def forward_backward(
-        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
     ) -> list[dict[str, float]]:
         self.model.train()
         prepared = [self._prepare(mb) for mb in micro]
@@ -331,7 +241,7 @@ class FSDPEngine:
         for i, (mb, first, padded) in enumerate(prepared):
             # Reduce-scatter the gradients once, after the last micro-batch.
             self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            logp, ent = self._forward(mb, first, padded, self.temperature, entropy)
+            logp, ent = self._forward(mb, first, padded, temperature, entropy)
             loss, m = loss_fn(mb, logp, ent)
             loss.backward()
             metrics.append(m)
@@ -370,8 +280,11 @@ class FSDPEngine:
         cfg["base_model_name_or_path"] = self.run.model.path
         return {k: v for k, v in cfg.items() if _jsonable(v)}
 
+    # How an adapter can be gathered; the first is the default.
+    EXPORT_METHODS = ("bucketed", "layered", "per_param")
+
     def export(
-        self, kind: PayloadKind, method: str = "bucketed", dtype: torch.dtype | None = None
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[WeightPayload, float]:
         """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call).
         Adapter tensors are cast to `dtype` (the rollout's) and stay on the training device: an
@@ -385,7 +298,7 @@ class FSDPEngine:
                 "layered": self._adapter_layered,
                 "per_param": self._adapter_per_param,
             }
-            tensors = gather[method](dtype)
+            tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
             if self.expert_wrappers:
                 # vLLM reads expert LoRA per expert (lorarl.expert_lora); checkpoints keep PEFT's stacks.
                 tensors = to_vllm_layout(tensors, self.expert_wrappers)

@@ -26,6 +26,7 @@ import torch
 
 from lorarl.data import arith
 from lorarl.errors import ModelError
+from lorarl.schema import MODEL_BUILDERS, cache_dir
 
 # Bump when anything below changes what gets built: a cached model with another
 # version is rebuilt rather than silently reused.
@@ -58,12 +59,8 @@ WARMUP_CLIP = 1.0
 DEFAULT_WARMUP_STEPS = 60
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LORARL_CACHE") or Path.home() / ".cache" / "lorarl")
-
-
-# model.builder value -> architecture built by it.
-ARCHS = {"tiny_qwen2": "qwen2", "tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3_moe"}
+# model.builder value -> architecture built by it (the config checks the name).
+ARCHS = MODEL_BUILDERS
 
 # The MoE one (Qwen3-30B-A3B's layout in small): every layer sparse, top-2 of 8 experts with the
 # routing weights renormalised (norm_topk_prob), each expert as wide as a quarter of the dense MLP
@@ -73,7 +70,7 @@ EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 8, 2, 128
 
 
 def default_tiny_model_path(seed: int = 0, warmup_steps: int = DEFAULT_WARMUP_STEPS, arch: str = "qwen2") -> Path:
-    return default_cache_dir() / f"tiny-{arch}-v{BUILDER_VERSION}-s{seed}-w{warmup_steps}"
+    return Path(cache_dir()) / f"tiny-{arch}-v{BUILDER_VERSION}-s{seed}-w{warmup_steps}"
 
 
 def ensure_tiny_model(
@@ -115,8 +112,6 @@ def build_info(path: str | Path) -> dict:
 
 def ensure_built(builder: str, path: str | Path, seed: int = 0) -> Path:
     """Build the embedded model `model.builder` names at `path` unless it is there already."""
-    if builder not in ARCHS:
-        raise ModelError(f"model.builder={builder!r} is not valid; use null or one of: {', '.join(ARCHS)}")
     return ensure_tiny_model(path, seed=seed, arch=ARCHS[builder])
 
 
@@ -125,7 +120,7 @@ def _recipe(seed: int, warmup_steps: int, arch: str) -> dict:
 
 
 def _is_complete(path: Path, recipe: dict) -> bool:
-    from lorarl.checkpoint import read_json_if_valid
+    from lorarl.jsonio import read_json_if_valid
 
     info = read_json_if_valid(path / MARKER)
     return info is not None and all(info.get(k) == v for k, v in recipe.items())

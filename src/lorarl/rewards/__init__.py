@@ -126,9 +126,9 @@ def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = Non
             f" (or set data.reward_fn='package.module:function')"
         ) from None
     if reward is None:
-        from lorarl.config import RewardConfig
+        from lorarl.config import RewardConfig, load_group
 
-        reward = RewardConfig()
+        reward = load_group(RewardConfig, "reward/default")
     return build(reward)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,15 +25,19 @@ from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError
 from lorarl.expert_lora import is_moe_checkpoint
+from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_worker
-from lorarl.sync import PayloadKind, SyncStats, WeightPayload, vllm_lora_rank
-from lorarl.sync_checks import AdapterLayout, Fingerprint, LoraSlot, combine, fingerprint_sums, resolve
+from lorarl.rollout.vllm_dtype import engine_dtype
+from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
+from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
+from lorarl.schema import vllm_lora_rank
+from lorarl.sync import PayloadKind, SyncStats, WeightPayload
+from lorarl.sync_checks import AdapterLayout, fingerprint_sums
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
 # per sync, requests could keep naming an old one; with the same id and no
 # in-place flag, vLLM keeps the adapter it already holds.
-ADAPTER_ID = 1
 ADAPTER_NAME = "lorarl-policy"
 # Never read while the adapter is resident; named so an eviction fails loudly.
 _MEMORY_ADAPTER_PATH = "/nonexistent/lorarl-in-memory-adapter"
@@ -44,19 +47,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 AdapterTransport = Literal["tmpfs", "memory"]
 
 
-@dataclass
-class Samples:
-    """Per prompt, `n` responses: token ids and the log-prob of each sampled token.
-
-    Log-probs are vLLM's "processed" ones: after temperature (and top-k/top-p, which the
-    trainer does not apply: with top_p < 1 they are renormalised over the nucleus).
-    """
-
-    token_ids: list[list[list[int]]]
-    logprobs: list[list[list[float]]]
-
-
-class VLLMRollout:
+class VLLMRollout(FingerprintReads):
     def __init__(
         self,
         model_path: str | os.PathLike,
@@ -79,8 +70,6 @@ class VLLMRollout:
     ) -> None:
         """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
         `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
-        if adapter_transport not in ("tmpfs", "memory"):
-            raise ConfigError(f"rollout.adapter_transport={adapter_transport!r}; choose 'tmpfs' or 'memory'")
         # The engine must live in this process: weights are pushed into its worker
         # by reference (reload_weights with an iterator, adapters from tensors).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -94,7 +83,7 @@ class VLLMRollout:
             )
         self.lora_rank = lora_rank
         self.max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
-        self.dtype = self._engine_dtype(model_path, dtype)  # what the engine computes in
+        self.dtype = engine_dtype(model_path, dtype, self._is_cpu, lora=self.max_lora_rank is not None)
         self.adapter_transport: AdapterTransport = adapter_transport
         self.enable_sleep_mode = enable_sleep_mode
         self.base_loaded = load_format != "dummy"
@@ -156,18 +145,6 @@ class VLLMRollout:
         self.tp_rank = get_tensor_model_parallel_rank() if tensor_parallel_size > 1 else 0
         if self._is_cpu and tensor_parallel_size > 1:
             engine_process.unlink_cpu_shm()
-
-    def _engine_dtype(self, model_path: str | os.PathLike, dtype: str) -> str:
-        resolved = _resolve_dtype(model_path, dtype)
-        if self._is_cpu or self.max_lora_rank is None or resolved != "float32":
-            return resolved
-        # vLLM's GPU LoRA kernels (punica, Triton) take 16-bit activations only.
-        if dtype == "auto":
-            return "bfloat16"
-        raise ConfigError(
-            "rollout.dtype=float32: vLLM's GPU LoRA kernels run in float16/bfloat16 only; set rollout.dtype=bfloat16 "
-            "(training keeps model.dtype) or model.lora.merge=true"
-        )
 
     # ------------------------------------------------------------------ state
     @property
@@ -237,40 +214,6 @@ class VLLMRollout:
         """Run `fn(worker, *args)` inside vLLM's worker (one per engine here) and return its result."""
         return self.llm.collective_rpc(fn, args=args)[0]
 
-    def sent_weight_fingerprints(self) -> dict[str, Fingerprint]:
-        """Per parameter vLLM serves, the fingerprint the last base payload should have left
-        there (q/k/v and gate/up combined in vLLM's fused order). Needs fingerprint_base=True."""
-        parts: dict[str, list[tuple[int, Fingerprint, int]]] = {}
-        fps = resolve([sums for sums, _ in self._sent.values()])
-        for (name, (_, numel)), fp in zip(self._sent.items(), fps):
-            proj = name.rpartition(".")[0].rpartition(".")[2]
-            parts.setdefault(served_name(name), []).append((_FUSED_ORDER.get(proj, 0), fp, numel))
-        return {name: combine((fp, n) for _, fp, n in sorted(p, key=lambda x: x[0])) for name, p in parts.items()}
-
-    def held_weight_fingerprints(self, numels: dict[str, int]) -> dict[str, tuple | None]:
-        """(fingerprint, dtype) of the parameters vLLM serves (None where it keeps them unreadable)."""
-        return self.run_in_worker(vllm_worker.weight_fingerprints, numels)
-
-    def sent_numels(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name, (_, numel) in self._sent.items():
-            out[served_name(name)] = out.get(served_name(name), 0) + numel
-        return out
-
-    def adapter_layout(self) -> AdapterLayout:
-        """vLLM's LoRA dtype, scaling rule and adapter name parser (read once)."""
-        if not self.lora_enabled:
-            raise SyncError("adapter_layout asked of a rollout without LoRA (merged mode)")
-        if self._layout is None:
-            self._layout = self.run_in_worker(vllm_worker.adapter_layout)
-        return self._layout
-
-    def held_adapter_slots(self) -> dict[str, LoraSlot]:
-        """Fingerprints of the LoRA stacks vLLM computes with, per module part."""
-        if not self.has_adapter:
-            raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
-        return self.run_in_worker(vllm_worker.adapter_slots, ADAPTER_ID)
-
     # ------------------------------------------------------------- generation
     def sample(
         self,
@@ -280,7 +223,13 @@ class VLLMRollout:
         top_p: float = 1.0,
         max_tokens: int = 64,
         seed: int | None = None,
-    ) -> Samples:
+    ) -> Rollouts:
+        """Per prompt, `n` responses and the log-prob of each sampled token, with the seconds taken.
+
+        Log-probs are vLLM's "processed" ones: after temperature (and top-k/top-p, which the
+        trainer does not apply: with top_p < 1 they are renormalised over the nucleus).
+        """
+        t0 = time.perf_counter()
         from vllm import SamplingParams
 
         # One seed per call, for the process RNG that vLLM's sampler draws from, not one per
@@ -302,11 +251,7 @@ class VLLMRollout:
         for out in outs:
             tokens.append([list(c.token_ids) for c in out.outputs])
             logprobs.append([[step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)] for c in out.outputs])
-        return Samples(tokens, logprobs)
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], **sampling) -> list[list[list[int]]]:
-        """The token ids of `sample(prompt_ids, **sampling)`."""
-        return self.sample(prompt_ids, **sampling).token_ids
+        return Rollouts(tokens, logprobs, time.perf_counter() - t0)
 
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
         """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
@@ -552,78 +497,3 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     """One line: vLLM's messages can list every parameter of the model."""
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def _resolve_dtype(model_path: str | os.PathLike, dtype: str) -> str:
-    """'auto' means the checkpoint's dtype, as in transformers.
-
-    vLLM's own 'auto' serves float32 checkpoints in 16-bit: the tiny fp32 model then
-    disagreed with the fp32 trainer by up to 0.04 in per-token log-prob (6e-5 in fp32).
-    """
-    if dtype != "auto":
-        return dtype
-    from lorarl.checkpoint import read_json_if_valid
-
-    saved = read_json_if_valid(Path(model_path) / "config.json")
-    if saved is None:
-        return dtype
-    return "float32" if saved.get("dtype", saved.get("torch_dtype")) == "float32" else dtype
-
-
-# vLLM fuses these HF projections into one parameter; with LoRA enabled it wraps the fused
-# linear and (depending on the version) keeps its weight under `.base_layer`.
-_FUSED_INTO = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-    "o_proj": "o_proj",
-    "down_proj": "down_proj",
-}
-# Where each projection sits inside its fused parameter (rows, in this order).
-_FUSED_ORDER = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1}
-
-
-# transformers 5's fused expert stacks and the vLLM FusedMoE parameters they fill, same layout
-# ([E, 2I, H] gate rows then up rows; [E, H, I]); vllm_worker names those without the
-# version-dependent `.routed_experts` level.
-_EXPERT_STACKS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
-
-
-def served_name(name: str) -> str:
-    """The parameter of vLLM's model that HF weight `name` fills (q/k/v into qkv_proj, ...)."""
-    module, _, leaf = name.rpartition(".")
-    if module.endswith(".experts") and leaf in _EXPERT_STACKS:
-        return f"{module}.{_EXPERT_STACKS[leaf]}"
-    prefix, _, proj = module.rpartition(".")
-    fused = _FUSED_INTO.get(proj)
-    return name if fused is None else f"{prefix}.{fused}.{leaf}"
-
-
-def hf_parts(served: str) -> list[str]:
-    """The HF weights that fill vLLM parameter `served` (qkv_proj.weight -> q/k/v_proj.weight)."""
-    module, _, leaf = served.rpartition(".")
-    stacks = {v: k for k, v in _EXPERT_STACKS.items()}
-    if module.endswith(".experts") and leaf in stacks:
-        return [f"{module}.{stacks[leaf]}"]
-    prefix, _, fused = module.rpartition(".")
-    parts = sorted((p for p, f in _FUSED_INTO.items() if f == fused), key=lambda p: _FUSED_ORDER.get(p, 0))
-    return [f"{prefix}.{p}.{leaf}" for p in parts] if parts else [served]
-
-
-def resolve_base_name(name: str, live: frozenset[str]) -> str:
-    """The name vLLM's loader needs for plain HF weight `name`, decided by the live engine:
-    `.base_layer` goes in only where the live model keeps the wrapped module's weight there (a
-    fused projection is looked up under its fused name). Which modules vLLM wraps varies by
-    model: vLLM 0.26 wraps Qwen3's embed_tokens (VocabParallelEmbeddingWithLoRA) but not
-    Qwen2's, so the rule is read from the live names, never listed here."""
-    module, _, leaf = name.rpartition(".")
-    if leaf not in ("weight", "bias"):
-        return name
-    prefix, _, proj = module.rpartition(".")
-    fused = _FUSED_INTO.get(proj)
-    live_module = module if fused is None else f"{prefix}.{fused}"
-    if f"{live_module}.base_layer.{leaf}" in live:
-        return f"{module}.base_layer.{leaf}"
-    return name

@@ -155,39 +155,6 @@ class MBridgeAdapter:
             yield from owned(normalize_base_names(self.bridge.export_weights(model)))
 
 
-def make_bridge(
-    name: str,
-    hf_path: str,
-    *,
-    cpu: bool = False,
-    merged_view: Callable[[list], AbstractContextManager[Any]] | None = None,
-    **kwargs: Any,
-) -> MegatronBridgeAdapter | MBridgeAdapter:
-    """Load the named bridge for an HF checkpoint directory and wrap it.
-
-    megatron_bridge: `AutoBridge.from_hf_pretrained(path, **kwargs)` (kwargs go to the HF
-    loader, e.g. torch_dtype). mbridge: `AutoBridge.from_pretrained(path, **kwargs)`, which
-    reads megatron-core's parallel state: initialise model parallel first.
-    Both imports need CUDA-era packages (TransformerEngine, megatron-core), hence lazy.
-    """
-    if name == "megatron_bridge":
-        try:
-            from megatron.bridge import AutoBridge
-        except ImportError as e:  # pragma: no cover - GPU stack only
-            raise ConfigError(
-                f"backend.bridge=megatron_bridge needs megatron-bridge (pip install 'lorarl[megatron]', Python 3.12; "
-                f"it imports TransformerEngine): {e}"
-            ) from e
-        return MegatronBridgeAdapter(AutoBridge.from_hf_pretrained(hf_path, trust_remote_code=False, **kwargs), cpu=cpu)
-    if name == "mbridge":
-        try:
-            from mbridge import AutoBridge as MAutoBridge
-        except ImportError as e:  # pragma: no cover - GPU stack only
-            raise ConfigError(f"backend.bridge=mbridge needs mbridge (pip install 'lorarl[megatron]'): {e}") from e
-        return MBridgeAdapter(MAutoBridge.from_pretrained(hf_path, trust_remote_code=False, **kwargs), merged_view)
-    raise ConfigError(f"backend.bridge={name!r} is not valid; use one of: {', '.join(BRIDGES)}")
-
-
 __all__ = [
     "BRIDGES",
     "REQUIRED_METHODS",
@@ -195,6 +162,5 @@ __all__ = [
     "WeightBridge",
     "MegatronBridgeAdapter",
     "MBridgeAdapter",
-    "make_bridge",
     "owned",
 ]

@@ -9,19 +9,14 @@ this module emits against those classes' fields in the released wheels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorarl.engines.megatron.experts import check_expert_parallel
-from lorarl.engines.megatron.names import LORA_TYPES, resolve_lora_targets
+from lorarl.engines.megatron.names import resolve_lora_targets
 from lorarl.errors import ConfigError
 from lorarl.expert_lora import expert_projections
+from lorarl.schema import LORA_INIT_METHODS as INIT_METHODS  # noqa: F401  (what the tests check against the bridge)
 
-INIT_METHODS = ("xavier", "kaiming", "normal")  # ParallelLinearAdapter._get_init_fn; "zero" is B's
-TRANSFORMER_IMPLS = ("transformer_engine", "local")
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
-RECOMPUTE_METHODS = (None, "uniform", "block")
 PEFT_CLASSES = {"lora": "LoRA", "canonical_lora": "CanonicalLoRA"}
 
 # Kernels that need TransformerEngine, Apex or separately built extensions. With the local
@@ -68,22 +63,8 @@ class PeftSpec:
 
 
 def peft_spec(lora: Any) -> PeftSpec:
-    """`model.lora` -> LoRA/CanonicalLoRA(target_modules, dim, alpha, dropout, ...)."""
-    lora_type = lora.type
-    if lora_type not in LORA_TYPES:
-        raise ConfigError(f"model.lora.type={lora_type!r} is not valid; use one of: {', '.join(LORA_TYPES)}")
-    init_a = lora.init_A
-    if init_a not in INIT_METHODS:
-        raise ConfigError(f"model.lora.init_A={init_a!r} is not valid; use one of: {', '.join(INIT_METHODS)}")
-    rank = lora.rank
-    if not isinstance(rank, int) or rank <= 0:
-        raise ConfigError(f"model.lora.rank={rank!r} must be a positive integer")
-    alpha = lora.alpha
-    if not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise ConfigError(f"model.lora.alpha={alpha!r} must be > 0")
-    dropout = float(lora.dropout)
-    if not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"model.lora.dropout={dropout} must be in [0, 1)")
+    """`model.lora` (checked by lorarl.schema.LoraConfig) -> LoRA/CanonicalLoRA(target_modules, dim, alpha, ...)."""
+    lora_type, init_a, rank, alpha, dropout = lora.type, lora.init_A, lora.rank, lora.alpha, float(lora.dropout)
     # Megatron's experts are linear_fc1/linear_fc2 modules: the fused-expert parameters name them.
     experts = expert_projections(getattr(lora, "target_parameters", ()) or ())
     targets = resolve_lora_targets(list(lora.target_modules) + experts, lora_type)
@@ -145,10 +126,6 @@ class ProviderPlan:
 def provider_plan(backend: Any, dtype: str = "bfloat16") -> ProviderPlan:
     """`backend.*` (+ model.dtype) -> provider attributes."""
     impl = backend.transformer_impl
-    if impl not in TRANSFORMER_IMPLS:
-        raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={dtype!r} is not valid; use one of: {', '.join(DTYPES)}")
     tp = int(backend.tensor_model_parallel_size)
     pp = int(backend.pipeline_model_parallel_size)
     settings: dict[str, Any] = {
@@ -218,139 +195,6 @@ def apply_provider_plan(provider: Any, plan: ProviderPlan) -> Any:
     return provider
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------
-
-
-def check_megatron(
-    lora: Any,
-    backend: Any,
-    *,
-    num_layers: int | None = None,
-    num_attention_heads: int | None = None,
-    num_key_value_heads: int | None = None,
-    vocab_size: int | None = None,
-    world_size: int | None = None,
-    num_experts: int | None = None,
-) -> None:
-    """Everything Megatron would assert later, checked up front with lorarl's key names.
-
-    Model-shape arguments are optional so the config-only part runs before the HF config
-    is read; pass them once it is (num_experts: 0 for a dense model, None when unknown).
-    """
-    tp = backend.tensor_model_parallel_size
-    pp = backend.pipeline_model_parallel_size
-    for key, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"backend.{key}={v!r} must be an integer >= 1")
-    bridge = backend.bridge
-    if bridge not in ("megatron_bridge", "mbridge"):
-        raise ConfigError(f"backend.bridge={bridge!r} is not valid; use one of: megatron_bridge, mbridge")
-    impl = backend.transformer_impl
-    if impl not in TRANSFORMER_IMPLS:
-        raise ConfigError(f"backend.transformer_impl={impl!r} is not valid; use one of: {', '.join(TRANSFORMER_IMPLS)}")
-    spec = peft_spec(lora)
-    rank = spec.kwargs["dim"]
-    if rank % tp:
-        # ColumnParallelLinear(in, dim) for LoRA A: megatron's divide() asserts dim % tp == 0.
-        raise ConfigError(f"model.lora.rank={rank} must be divisible by backend.tensor_model_parallel_size={tp}")
-    sp = bool(backend.sequence_parallel)
-    if sp and tp == 1:
-        raise ConfigError(
-            "backend.sequence_parallel=true needs backend.tensor_model_parallel_size > 1 (megatron-core refuses SP without TP)"
-        )
-    if sp and impl == "local":
-        raise ConfigError(
-            "backend.sequence_parallel=true needs backend.transformer_impl=transformer_engine: "
-            "the local spec's RMSNorm (torch.nn.RMSNorm wrapper) does not support sequence parallelism"
-        )
-    if bridge == "mbridge":
-        if not lora.merge:
-            raise ConfigError(
-                "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or backend.bridge=megatron_bridge"
-            )
-        if impl != "transformer_engine":
-            raise ConfigError(
-                "backend.bridge=mbridge maps TransformerEngine layer names only (linear_qkv.layer_norm_weight); "
-                "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge"
-            )
-    _check_recompute(backend, num_layers, pp)
-    check_expert_parallel(backend, num_experts, merge=bool(lora.merge))
-    overrides = backend.override_transformer_config or {}
-    if not isinstance(overrides, Mapping):
-        raise ConfigError("backend.override_transformer_config must be a mapping of TransformerConfig fields to values")
-    for key in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "expert_model_parallel_size",
-        "expert_tensor_parallel_size",
-        "sequence_parallel",
-    ):
-        if key in overrides:
-            raise ConfigError(
-                f"backend.override_transformer_config.{key} duplicates backend.{key}; set backend.{key} instead"
-            )
-    if world_size is not None and world_size % (tp * pp):
-        raise ConfigError(
-            f"backend.tensor_model_parallel_size x backend.pipeline_model_parallel_size = {tp * pp} "
-            f"must divide the {world_size} devices"
-        )
-    ep = backend.expert_model_parallel_size * backend.expert_tensor_parallel_size
-    if world_size is not None and world_size % (ep * pp):
-        # megatron-core builds expert groups as ETP x EP x expert-DP inside each pipeline stage.
-        raise ConfigError(
-            f"backend.expert_model_parallel_size x backend.expert_tensor_parallel_size x "
-            f"backend.pipeline_model_parallel_size = {ep * pp} must divide the {world_size} devices"
-        )
-    if num_attention_heads is not None and num_attention_heads % tp:
-        raise ConfigError(
-            f"backend.tensor_model_parallel_size={tp} does not divide the model's {num_attention_heads} attention heads"
-        )
-    if num_key_value_heads is not None and num_key_value_heads % tp:
-        # Megatron can replicate KV heads when tp > groups, but the per-group qkv layout the
-        # adapter export relies on assumes each rank holds whole groups.
-        raise ConfigError(
-            f"backend.tensor_model_parallel_size={tp} does not divide the model's {num_key_value_heads} "
-            f"key/value heads; use a tensor parallel size that divides it"
-        )
-    if num_layers is not None and num_layers % pp:
-        raise ConfigError(f"backend.pipeline_model_parallel_size={pp} does not divide the model's {num_layers} layers")
-    if vocab_size is not None and vocab_size % tp:
-        # VocabParallelEmbedding splits rows evenly; Megatron-Bridge does not pad Qwen2's vocab.
-        raise ConfigError(
-            f"backend.tensor_model_parallel_size={tp} does not divide the model's vocab_size={vocab_size}"
-        )
-
-
-def _check_recompute(backend: Any, num_layers: int | None, pp: int) -> None:
-    gran = backend.recompute_granularity
-    method = backend.recompute_method
-    n = backend.recompute_num_layers
-    if gran not in RECOMPUTE_GRANULARITIES:
-        raise ConfigError(f"backend.recompute_granularity={gran!r} is not valid; use null, full or selective")
-    if method not in RECOMPUTE_METHODS:
-        raise ConfigError(f"backend.recompute_method={method!r} is not valid; use null, uniform or block")
-    if gran is None:
-        if method is not None or n is not None:
-            raise ConfigError(
-                "backend.recompute_method / backend.recompute_num_layers need backend.recompute_granularity=full"
-            )
-        return
-    if gran == "selective":
-        if n is not None:
-            raise ConfigError(
-                "backend.recompute_granularity=selective takes no backend.recompute_num_layers; set it to null"
-            )
-        return
-    if method is None:
-        raise ConfigError("backend.recompute_granularity=full needs backend.recompute_method=uniform or block")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"backend.recompute_granularity=full needs backend.recompute_num_layers >= 1 (got {n!r})")
-    if num_layers is not None and n > num_layers // pp:
-        raise ConfigError(f"backend.recompute_num_layers={n} exceeds the {num_layers // pp} layers per pipeline stage")
-
-
 def require_cuda() -> int:
     """Number of visible CUDA devices, or a one-line ConfigError pointing to the FSDP backend."""
     import torch
@@ -368,6 +212,5 @@ __all__ = [
     "ProviderPlan",
     "provider_plan",
     "apply_provider_plan",
-    "check_megatron",
     "require_cuda",
 ]

@@ -23,20 +23,17 @@ from typing import Any
 
 import torch
 
-from lorarl.batch import TrainBatch
+from lorarl.batch import TrainBatch, plan_micro_batches
 from lorarl.config import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
     check_grad_norm,
-    plan_micro_batches,
-    ppo_update,
     read_metrics,
 )
 from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
-    check_megatron,
     peft_adapter_config,
     peft_spec,
     provider_plan,
@@ -76,8 +73,6 @@ class MegatronEngine:
         self.path = self.model_cfg.path
         self.dtype_name = self.model_cfg.dtype
         self.compute_dtype = DTYPES[self.dtype_name]
-        t = run.rollout.temperature
-        self.temperature = t if t > 0 else 1.0
 
         from transformers import AutoConfig
 
@@ -95,18 +90,6 @@ class MegatronEngine:
                 ",".join(self.peft_spec.widened),
             )
         self._init_parallel(device, run.trainer.seed)
-        import torch.distributed as dist
-
-        check_megatron(
-            self.lora,
-            self.backend,
-            num_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-            vocab_size=hf_config.vocab_size,
-            world_size=dist.get_world_size(),
-            num_experts=num_experts_of(hf_config),
-        )
         self.num_experts = num_experts_of(hf_config)
         from megatron.core import parallel_state
 
@@ -320,24 +303,21 @@ class MegatronEngine:
         return t.tolist()
 
     @torch.no_grad()
-    def log_probs(
-        self, batch: TrainBatch, *, reference: bool = False, temperature: float | None = None
-    ) -> torch.Tensor:
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
         """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.batch.TrainBatch.
 
         reference=True is the reference policy: the same model under PEFT's disable_adapter
         context, no second copy of the weights.
         """
-        temp = self.temperature if temperature is None else temperature
         check_right_padded(batch.attention_mask)
         dev = torch.device("cuda", torch.cuda.current_device())
-        groups = plan_micro_batches(self, batch, self.run, backward=False)
-        micro = [batch.select(g).to(dev) for g in groups]
+        row_sets = plan_micro_batches(self, batch, self.actor, backward=False)
+        micro = [batch.select(rows).to(dev) for rows in row_sets]
         ids = [self._padded(m.input_ids) for m in micro]
         length = batch.input_ids.shape[1]
 
         def loss_fn(index: int, output: torch.Tensor):
-            logp, _ = self._token_logp(output, micro[index].input_ids, temp, "none")
+            logp, _ = self._token_logp(output, micro[index].input_ids, temperature, "none")
             return torch.zeros((), device=logp.device), {"logp": logp}
 
         for m in self.model:
@@ -347,24 +327,17 @@ class MegatronEngine:
             outs = self._run(ids, loss_fn, forward_only=True)
         result = torch.zeros(len(batch), length - 1, dtype=torch.float32, device=dev)
         if self.is_last_stage:
-            for g, o in zip(groups, outs):
-                result[g] = o["logp"]
+            for rows, o in zip(row_sets, outs):
+                result[rows] = o["logp"]
         return self._broadcast_from_last_stage(result).cpu()
 
-    @contextlib.contextmanager
-    def disable_adapter(self):
-        with self.peft.disable_adapter(self.model):
-            yield
-
-    # ------------------------------------------------------------------ update
-
-    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        check_right_padded(batch.attention_mask)
-        return ppo_update(self, batch, step, self.run)
+    # ------------------------------------------------------------------ update (lorarl.ppo drives it)
 
     def forward_backward(
-        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
     ) -> list[dict[str, float]]:
+        for p in micro:
+            check_right_padded(p.attention_mask)
         dev = torch.device("cuda", torch.cuda.current_device())
         parts = [p.to(dev) for p in micro]
         # The entropy metric needs the full vocabulary; with TP that is a gather, so it is only
@@ -374,7 +347,7 @@ class MegatronEngine:
 
         def megatron_loss(index: int, output: torch.Tensor):
             p = parts[index]
-            logp, ent = self._token_logp(output, p.input_ids, self.temperature, entropy)
+            logp, ent = self._token_logp(output, p.input_ids, temperature, entropy)
             loss, metrics = loss_fn(p, logp, ent)
             # Megatron's schedule divides each micro-batch's loss by their count; loss_fn's
             # losses are already normalised over the mini-batch.
@@ -426,14 +399,20 @@ class MegatronEngine:
         cfg["base_model_name_or_path"] = self.path
         return cfg
 
-    def export(self, kind: Any, method: str = "bridge", dtype: torch.dtype | None = None) -> tuple[Any, float]:
+    # One way to gather: the bridge's export (rollout.layered_summon is FSDP's; the config refuses it here).
+    EXPORT_METHODS = ("bridge",)
+
+    def export(self, kind: Any, method: str | None = None, dtype: torch.dtype | None = None) -> tuple[Any, float]:
         """(WeightPayload of `kind`, gather seconds); collective, all ranks get full tensors.
 
         ADAPTER: export_adapter_weights, PEFT names. BASE: the pure base
         (merge_adapter_weights=False), or merged W + BA when model.lora.merge=true (then vLLM
-        runs without LoRA). `method` exists for FSDPEngine's signature; the bridge decides.
+        runs without LoRA).
         """
         from lorarl.sync import PayloadKind, WeightPayload
+
+        if method not in (None, *self.EXPORT_METHODS):
+            raise ValueError(f"the Megatron engine exports through its bridge only, not {method!r}")
 
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
@@ -473,25 +452,6 @@ class MegatronEngine:
 
     def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None) -> None:
         raise ConfigError(_NO_CHECKPOINTS)
-
-    def lora_shards(self) -> dict[str, list[torch.Tensor]]:
-        """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP).
-
-        For cross-checking the bridge's adapter export against names.megatron_lora_to_peft.
-        """
-        import torch.distributed as dist
-
-        group = self.ps.get_tensor_model_parallel_group()
-        out: dict[str, list[torch.Tensor]] = {}
-        for chunk in self.model:
-            for name, p in chunk.named_parameters():
-                if ".adapter." not in name:
-                    continue
-                local = p.detach().contiguous()
-                parts = [torch.empty_like(local) for _ in range(self.tp)]
-                dist.all_gather(parts, local, group=group)
-                out[name] = parts
-        return out
 
 
 __all__ = ["MegatronEngine", "check_right_padded"]

@@ -8,7 +8,8 @@ Pure torch (plus torch.distributed for the gather); no Megatron import.
   2D fused-MoE LoRA loader expects for Qwen3-MoE (`experts.E.gate_proj|up_proj|down_proj`,
   its expert params mapping in 0.26 and 0.32) and what Megatron-Bridge 0.6.2's Qwen3MoEBridge
   export yields. Full tensors: vLLM slices them itself under its own tensor parallelism.
-- Which expert layouts export correctly (`check_expert_parallel`): expert tensor parallelism
+- Which expert layouts export correctly (checked by the config, lorarl.schema_backends and
+  lorarl.config.check_model_shape): expert tensor parallelism
   > 1 does not. Megatron-Bridge 0.6.2 splits an expert's fused [gate; up] LoRA B as if it were
   unsharded (`_split_fused_fc1_linear_out_weight(is_expert=True)` uses a TP size of 1), but a
   gathered ETP-sharded B is [g_0, u_0, g_1, u_1, ...]: gate and up come out mixed, silently
@@ -30,51 +31,11 @@ from typing import Any
 import torch
 
 from lorarl.engines.megatron.names import expert_lora_name, parse_expert_lora_name
-from lorarl.errors import ConfigError, SyncError
+from lorarl.errors import SyncError
 
 # ---------------------------------------------------------------------------------------------
 # Parallel layouts
 # ---------------------------------------------------------------------------------------------
-
-
-def check_expert_parallel(backend: Any, num_experts: int | None = None, merge: bool = False) -> None:
-    """backend.expert_* sizes against the model (num_experts: 0 for a dense model, None when the
-    model's config is not read yet)."""
-    ep = backend.expert_model_parallel_size
-    etp = backend.expert_tensor_parallel_size
-    for key, v in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"backend.{key}={v!r} must be an integer >= 1")
-    if etp > 1:
-        raise ConfigError(
-            f"backend.expert_tensor_parallel_size={etp}: Megatron-Bridge splits an expert's fused gate/up LoRA as if "
-            "unsharded, so the exported expert adapter would be silently wrong; set backend.expert_tensor_parallel_size=1 "
-            "and spread experts with backend.expert_model_parallel_size"
-        )
-    if ep > 1 and merge:
-        raise ConfigError(
-            f"model.lora.merge=true with backend.expert_model_parallel_size={ep}: Megatron-Bridge numbers expert adapters "
-            "per rank but gathers base experts over ranks, so a merge could pair an expert with another's adapter; "
-            "use model.lora.merge=false (adapter sync)"
-        )
-    if num_experts is None:
-        return
-    if num_experts < 1:
-        if ep > 1:
-            raise ConfigError(
-                f"backend.expert_model_parallel_size={ep} needs a mixture-of-experts model; this one has no experts"
-            )
-        return
-    if num_experts % ep:
-        raise ConfigError(f"backend.expert_model_parallel_size={ep} does not divide the model's {num_experts} experts")
-    tp = backend.tensor_model_parallel_size
-    if tp > 1 and not backend.sequence_parallel:
-        # megatron-core's MoELayer.forward raises in training when attention TP > 1 without SP.
-        raise ConfigError(
-            f"backend.tensor_model_parallel_size={tp} on a mixture-of-experts model needs backend.sequence_parallel=true "
-            "(megatron-core refuses MoE training with tensor parallelism alone); or use tensor parallel 1 with "
-            "backend.expert_model_parallel_size"
-        )
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -177,7 +138,6 @@ def _span(experts: set[int]) -> str:
 
 
 __all__ = [
-    "check_expert_parallel",
     "num_experts_of",
     "ExpertParallel",
     "torch_all_gather",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lorarl.errors import ConfigError, SyncError
+from lorarl.schema import LORA_TYPES  # noqa: F401  (part of this module's names; the schema checks model.lora.type)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -43,7 +44,6 @@ CANONICAL_TARGETS = (
     "linear_fc1_gate",
     "linear_fc2",
 )
-LORA_TYPES = ("lora", "canonical_lora")
 # Qwen3's per-head query/key RMSNorm, under HF and Megatron names: base weights only.
 QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
@@ -102,8 +102,6 @@ class LoraTargets:
 
 def resolve_lora_targets(target_modules: Iterable[str], lora_type: str = "lora") -> LoraTargets:
     """Map HF or Megatron target names to Megatron-Bridge targets for `lora` or `canonical_lora`."""
-    if lora_type not in LORA_TYPES:
-        raise ConfigError(f"model.lora.type={lora_type!r} is not valid; use one of: {', '.join(LORA_TYPES)}")
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     names = list(target_modules)

@@ -1,0 +1,103 @@
+"""One worker's weight sync: export -> apply -> check -> probe, and when the probe runs.
+
+The session reads exactly one state to choose what to send: whether the rollout holds the base
+weights (`rollout.base_loaded`). The payload kind follows from it, the payload carries that
+kind, and the rollout dispatches on the payload; no second flag exists that could disagree.
+After every sync the exact fingerprint (lorarl.sync_checks); the log-prob probe on the first
+sync after the probe sequences are set (each process's first training rollout, so a resumed
+run probes at once), every trainer.check_sync_probe_freq steps and on the last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lorarl import sync_checks
+from lorarl.config import RunConfig
+from lorarl.engines.base import Engine
+from lorarl.messages import SyncRequest
+from lorarl.sync import PayloadKind, SyncStats
+
+
+class SyncSession:
+    def __init__(self, run: RunConfig, engine: Engine, rollout, rank: int):
+        self.engine, self.rollout, self.rank = engine, rollout, rank
+        self.merge = run.model.lora.merge
+        self.method = "layered" if run.rollout.layered_summon else None  # None: the engine's default gather
+        self.check = run.trainer.check_sync
+        self.tolerance = run.trainer.check_sync_tolerance
+        self.probe_freq = run.trainer.check_sync_probe_freq
+        self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
+        self._probe_due = False
+
+    @property
+    def wants_probes(self) -> bool:
+        return self.check and self.probe_seqs is None
+
+    def set_probes(self, sequences: list[list[int]]) -> None:
+        """The probe's sequences (the worker passes its first training rollout's prompts, each
+        with its first sample), kept for every later sync; the next sync probes. Per vLLM engine:
+        every worker of one engine gets the same rollout, so they send it the same requests
+        (their all-reduces would mix two different sequences)."""
+        self.probe_seqs = sync_checks.choose_probes(sequences)
+        self._probe_due = True
+
+    def sync(self, request: SyncRequest) -> dict:
+        """Export, apply and check every payload the rollout needs; the probe when it is due.
+        Collective over all workers."""
+        stats: list[SyncStats] = []
+        checks: dict = {}
+        if self.merge or not self.rollout.base_loaded:
+            payload, gather_s = self.engine.export(PayloadKind.BASE)
+            stats.append(self._apply(payload, gather_s))
+            if self.check:
+                checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))
+        if not self.merge:
+            # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
+            payload, gather_s = self.engine.export(
+                PayloadKind.ADAPTER, method=self.method, dtype=self.rollout.torch_dtype
+            )
+            stats.append(self._apply(payload, gather_s))
+            if self.check:
+                checks.update(sync_checks.timed_adapter_check(self.rollout, payload, self.rank))
+        out = {**SyncStats.summary(stats), "sync/num_adapters": self.rollout.num_adapters(), **checks}
+        if self._probe_now(request):
+            t0 = time.perf_counter()
+            out.update(self.probe())
+            out["sync/probe_seconds"] = time.perf_counter() - t0
+        return out
+
+    def _probe_now(self, request: SyncRequest) -> bool:
+        if not self.check or self.probe_seqs is None or request.step == 0:
+            return False
+        due, self._probe_due = self._probe_due, False
+        return due or request.step % self.probe_freq == 0 or request.last
+
+    def _apply(self, payload, gather_s: float) -> SyncStats:
+        stats = self.rollout.apply(payload)
+        stats.gather_s = gather_s
+        return stats
+
+    @property
+    def probe_bounds(self) -> sync_checks.ProbeBounds:
+        trainer_fp32 = self.engine.compute_dtype == torch.float32
+        return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.tolerance)
+
+    def probe(self) -> dict[str, float]:
+        """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
+        reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
+        sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
+        return reading.as_metrics()
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """The workers' sync reports as one: the first worker's, with the probe's worst token and
+    the adapter count taken over all of them."""
+    merged = dict(reports[0])
+    for key in ("sync/logprob_diff_max", "sync/logprob_diff_mean"):
+        if key in merged:
+            merged[key] = max(r[key] for r in reports)
+    merged["sync/num_adapters"] = max(r["sync/num_adapters"] for r in reports)
+    return merged
