@@ -70,12 +70,14 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
 
 
 def _rc(correction: str, rs_threshold: str = "2.0"):
-    """lorarl's correction config as the bench's overrides set it."""
-    from lorarl.config import RolloutCorrectionConfig
+    """lorarl's correction config as the bench's overrides compose it."""
+    from lorarl.config import compose
 
-    keys = {k.rsplit(".", 1)[-1]: v for k, v in (o.split("=", 1) for o in lorarl_correction_overrides(correction))}
-    null = {k: (None if v == "null" else v) for k, v in keys.items()}
-    return RolloutCorrectionConfig(**{**null, **({"rollout_rs_threshold": rs_threshold} if null["rollout_rs"] else {})})
+    overrides = lorarl_correction_overrides(correction)
+    if any(o.startswith("algorithm.rollout_correction.rollout_rs=") and not o.endswith("=null") for o in overrides):
+        overrides = [o for o in overrides if "rollout_rs_threshold=" not in o]
+        overrides.append(f"algorithm.rollout_correction.rollout_rs_threshold={rs_threshold}")
+    return compose(["+backend=fsdp", *overrides]).algorithm.rollout_correction
 
 
 def test_trl_runs_lorarls_correction():

@@ -33,6 +33,18 @@ METRICS: tuple[Metric, ...] = (
     # Rewards and samples.
     M("reward/mean", "mean reward of every training sample of the step", "reward", "driver"),
     M("reward/std", "standard deviation of those rewards", "reward", "driver"),
+    M(
+        "reward/overlong_reward",
+        "mean DAPO overlong penalty added to the rewards (algorithm.overlong_buffer)",
+        "reward",
+        "driver",
+    ),
+    M(
+        "reward/overlong",
+        "share of samples the overlong penalty reached (algorithm.overlong_buffer)",
+        "fraction",
+        "driver",
+    ),
     M("response_length/mean", "mean sampled response length", "tokens", "vLLM"),
     M("response_length/max", "longest sampled response", "tokens", "vLLM"),
     M("data/epoch", "passes over the training set begun so far", "count", "driver"),
