@@ -4,7 +4,9 @@
         --model PATH --dtype bfloat16 --rank 16 --device cpu --repeats 5 --out result.json
 
 Methods, all through the project's FSDPEngine:
-  bucketed / layered / per_param   the three adapter gathers (`engine.export(ADAPTER, method)`)
+  bucketed / layered               the engine's adapter gathers (`engine.export(ADAPTER, method)`)
+  per_param                        one `DTensor.full_tensor()` per LoRA param over the engine's
+                                   model (many small collectives): the baseline they beat
   full_state_dict                  torch's get_model_state_dict(full_state_dict=True), LoRA
                                    keys kept: the "gather everything" way
   base_stream                      every base weight, one FSDP unit unsharded at a time
@@ -33,9 +35,9 @@ from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine
 from lorarl.sync import PayloadKind
 
-ADAPTER_METHODS = ("bucketed", "layered", "per_param")
+ADAPTER_METHODS = ("bucketed", "layered")
 HEAVY_METHODS = ("full_state_dict", "base_stream", "merged_stream")  # move every base weight
-METHODS = (*ADAPTER_METHODS, *HEAVY_METHODS)
+METHODS = (*ADAPTER_METHODS, "per_param", *HEAVY_METHODS)
 
 
 def make_run(model: str, dtype: str, rank: int, world: int, device: str) -> RunConfig:
@@ -79,6 +81,17 @@ def seed_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return full
 
 
+def per_param_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    from lorarl.engines.fsdp import peft_name
+
+    out = {}
+    for name, p in engine.model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out[peft_name(name)] = full.detach().clone()
+    return out
+
+
 def full_state_dict_lora(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -94,6 +107,8 @@ def run_method(engine: FSDPEngine, method: str) -> tuple[object, int, int]:
     if method in ADAPTER_METHODS:
         payload, _ = engine.export(PayloadKind.ADAPTER, method=method)
         tensors = dict(payload.tensors)
+    elif method == "per_param":
+        tensors = per_param_lora(engine)
     elif method == "full_state_dict":
         tensors = full_state_dict_lora(engine)
     else:

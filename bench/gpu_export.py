@@ -5,8 +5,8 @@ Run on 2 x H200: bench/results/gpu_2026-11-30/gpu_export.{json,md}.
 For the Qwen2.5-0.5B and Qwen2.5-7B shapes (random weights, real configs) this runs
 bench/export_gather_worker.py under torchrun with --device cuda: seconds (slowest rank) and
 the peak extra GPU memory of each rank (`torch.cuda.max_memory_allocated` above what was
-allocated before the call, result held) for the bucketed / layered / per_param adapter
-gathers, the full gather (`get_model_state_dict(full_state_dict=True)`), and the base and
+allocated before the call, result held) for the bucketed / layered adapter gathers (the
+engine's) and per_param (one `DTensor.full_tensor` per param, the worker's own), the full gather (`get_model_state_dict(full_state_dict=True)`), and the base and
 merged streams. The claim to check: layered peaks at about one layer, the full gather at
 about the whole model, bucketed at about the adapter.
 

@@ -84,7 +84,7 @@ def main(model_path: str, out: str) -> None:
     randomize_lora(engine)
 
     adapters, timings = {}, {}
-    for method in ("bucketed", "layered", "per_param"):
+    for method in FSDPEngine.EXPORT_METHODS:
         payload, seconds = engine.export(PayloadKind.ADAPTER, method=method)
         assert payload.kind is PayloadKind.ADAPTER
         adapters[method] = dict(payload.tensors)

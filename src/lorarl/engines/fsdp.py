@@ -5,12 +5,10 @@ base keeps its load dtype while LoRA weights and optimizer state stay float32 (F
 asks trainable params to share a dtype). The reference policy is this same model under
 `disable_adapter()`: no second model is built.
 
-Export is explicit: `export(kind)` returns a `WeightPayload` whose kind the caller chose. Adapter tensors can be gathered three ways:
+Export is explicit: `export(kind)` returns a `WeightPayload` whose kind the caller chose. Adapter tensors can be gathered two ways:
 - bucketed (default): one all-gather of every rank's local LoRA shards, never touching base
   weights;
-- layered (`rollout.layered_summon`): unshard one FSDP unit at a time, copy its LoRA params;
-- per_param: one `DTensor.full_tensor()` per LoRA param (many small collectives; kept to
-  compare against in benchmarks).
+- layered (`rollout.layered_summon`): unshard one FSDP unit at a time, copy its LoRA params.
 """
 
 from __future__ import annotations
@@ -281,7 +279,7 @@ class FSDPEngine:
         return {k: v for k, v in cfg.items() if _jsonable(v)}
 
     # How an adapter can be gathered; the first is the default.
-    EXPORT_METHODS = ("bucketed", "layered", "per_param")
+    EXPORT_METHODS = ("bucketed", "layered")
 
     def export(
         self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
@@ -296,7 +294,6 @@ class FSDPEngine:
             gather = {
                 "bucketed": self._adapter_bucketed,
                 "layered": self._adapter_layered,
-                "per_param": self._adapter_per_param,
             }
             tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
             if self.expert_wrappers:
@@ -305,14 +302,6 @@ class FSDPEngine:
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
-
-    def _adapter_per_param(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                full = p.full_tensor() if isinstance(p, DTensor) else p
-                out[peft_name(name)] = full.detach().to(dtype=dtype, copy=True)
-        return out
 
     def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
