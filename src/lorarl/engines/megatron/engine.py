@@ -66,10 +66,9 @@ class MegatronEngine:
     left_pad_prompts = False
 
     def __init__(self, run: RunConfig, device: torch.device | None = None, *, seed: int) -> None:
-        """`run` for its model, actor and backend groups; `seed` (trainer.seed) for Megatron's
-        model-parallel CUDA RNG."""
+        """`run` for its model, actor and backend groups (only those are kept); `seed`
+        (trainer.seed) for Megatron's model-parallel CUDA RNG."""
         require_cuda()
-        self.run = run
         self.model_cfg, self.actor, self.backend = run.model, run.actor, run.backend
         self.lora = self.model_cfg.lora
         self.path = self.model_cfg.path
