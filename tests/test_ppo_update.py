@@ -12,6 +12,7 @@ import torch
 from lorarl.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.config import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
+from lorarl.messages import UpdateReport
 from lorarl.ppo import Correction, is_on_policy, needs_old_logp
 from lorarl.ppo import ppo_update as run_ppo_update
 from lorarl.trainer import sampling_of
@@ -364,3 +365,20 @@ def test_batch_normalised_weights_and_bypass_mode():
         return torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
 
     torch.testing.assert_close(policy.grads[0], _hand_gradient(batch, clipped), atol=1e-6, rtol=1e-5)
+
+
+def test_update_report_logs_the_updates_keys_unchanged():
+    """What crosses back from the worker is typed (lorarl.messages.UpdateReport); the keys it
+    logs are the update's own, with the same values in the same order (the rollout correction's
+    first, as the loss reports them), then the worker's timings."""
+    key = "algorithm.rollout_correction"
+    run = compose([*_overrides("token-mean", 2), f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0"])
+    metrics = ppo_update(TablePolicy(), _with_rollout(batch_of(LENGTHS)), step=1, run=run)
+    assert next(iter(metrics)).startswith("rollout_corr/")
+    worker = {"sleep_seconds": 0.0, "slept": False, "update_seconds": 1.5, "old_logp_seconds": 0.25}
+    report = UpdateReport.of(metrics, **worker)
+    assert report.entropy == metrics["actor/entropy"] and report.kl_loss is None
+    assert set(report.extra) == {k for k in metrics if k.startswith("rollout_corr/")}
+    logged = report.metrics()
+    timings = {"timing/sleep": 0.0, "rollout/sleeps": 0.0, "timing/old_logp": 0.25, "timing/update": 1.5}
+    assert list(logged.items()) == [*metrics.items(), *timings.items()]

@@ -164,8 +164,6 @@ def test_synced_adapter_matches_exactly(rollout, peft_model):
     sent = adapter(peft_model, seed=1)
     rollout.apply(sent)
     assert sync_checks.verify_adapter(rollout, sent) == 1.0
-    metrics = sync_checks.timed_adapter_check(rollout, sent, rank=0)
-    assert metrics["sync/adapter_match"] == 1.0 and metrics["sync/adapter_check_seconds"] < 5
     # Every module vLLM wraps has a slot, q/k/v and gate/up by their own names.
     held = rollout.held_adapter_slots()
     assert len(held) == 2 * len(PROJECTIONS), sorted(held)
@@ -242,10 +240,10 @@ def test_merged_weights_fingerprint(tiny_model_path: Path, peft_model):
     state = merged.merge_and_unload().state_dict()
     with VLLMRollout(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, fingerprint_base=True) as r:
         r.apply(WeightPayload.base(state.items()))
-        metrics = sync_checks.timed_weights_check(r, rank=0)
+        match, checked = sync_checks.verify_weights(r, rank=0)
         # The CPU build keeps linear weights only packed for its GEMM library: embeddings and
         # norms are what can be read back here (on GPU every weight is).
-        assert metrics["sync/weights_match"] == 1.0 and metrics["sync/weights_checked"] >= 5
+        assert match == 1.0 and checked >= 5
         r.run_in_worker(_bump_norm)
         with pytest.raises(SyncError, match="'model.layers.1.post_attention_layernorm.weight' .* differs"):
             sync_checks.verify_weights(r, rank=0)

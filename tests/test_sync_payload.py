@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorarl.errors import ConfigError, SyncError
+from lorarl.messages import SyncReport
 from lorarl.schema import VLLM_LORA_RANKS, vllm_lora_rank
 from lorarl.sync import PayloadKind, SyncStats, WeightPayload
 
@@ -170,9 +171,34 @@ def test_sync_stats_total():
     s = SyncStats(PayloadKind.ADAPTER, num_tensors=4, bytes=100, gather_s=0.5, transfer_s=0.25, load_s=0.125)
     assert s.seconds == 0.875
     base = SyncStats(PayloadKind.BASE, num_tensors=2, bytes=50, gather_s=1.0)
-    summary = SyncStats.summary([base, s])
-    assert summary["sync/kind"] == "base+adapter" and summary["sync/bytes"] == 150
-    assert summary["sync/seconds"] == 1.875 and summary["sync/gather_seconds"] == 1.5
+    report = SyncReport.of([base, s], num_adapters=1)
+    assert report.kind == "base+adapter" and report.bytes == 150
+    assert report.seconds == 1.875 and report.gather_seconds == 1.5
+    assert list(report.metrics()) == [
+        "sync/kind",
+        "sync/num_tensors",
+        "sync/bytes",
+        "sync/gather_seconds",
+        "sync/transfer_seconds",
+        "sync/load_seconds",
+        "sync/seconds",
+        "sync/num_adapters",
+    ]
+
+
+def test_sync_reports_merge_to_the_worst_probe():
+    """Over workers: the first worker's report, with the probe's worst token and mean and the
+    adapter count taken over all of them; the checks that ran are logged, the rest are not."""
+    one = SyncReport.of([SyncStats(PayloadKind.ADAPTER, 4, 100)], num_adapters=1)
+    one.adapter_match, one.adapter_check_seconds = 1.0, 0.01
+    one.logprob_diff_max, one.logprob_diff_mean, one.logprob_ref_diff_mean, one.probe_seconds = 0.1, 0.01, 0.5, 0.2
+    two = SyncReport.of([SyncStats(PayloadKind.ADAPTER, 4, 100)], num_adapters=0)
+    two.logprob_diff_max, two.logprob_diff_mean, two.logprob_ref_diff_mean, two.probe_seconds = 0.3, 0.005, 0.9, 0.4
+    merged = SyncReport.merge([one, two]).metrics()
+    assert merged["sync/logprob_diff_max"] == 0.3 and merged["sync/logprob_diff_mean"] == 0.01
+    assert merged["sync/logprob_ref_diff_mean"] == 0.5 and merged["sync/num_adapters"] == 1
+    assert "sync/weights_match" not in merged and "timing/wake" not in merged
+    assert one.logprob_diff_max == 0.1  # the workers' own reports stay as they were
 
 
 def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():

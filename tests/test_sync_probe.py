@@ -80,9 +80,9 @@ def probes(worker, tiny_tokenizer):
 def test_worker_sync_reports_both_checks(worker, probes):
     moved_adapter(worker, seed=1)
     out = worker.sync(PROBING_SYNC)
-    assert out["sync/adapter_match"] == 1.0
-    assert out["sync/logprob_diff_max"] < FP32_BOUNDS.max
-    assert out["sync/logprob_ref_diff_mean"] > 10 * FP32_BOUNDS.mean  # the adapter moved the policy
+    assert out.adapter_match == 1.0
+    assert out.logprob_diff_max < FP32_BOUNDS.max
+    assert out.logprob_ref_diff_mean > 10 * FP32_BOUNDS.mean  # the adapter moved the policy
 
 
 def test_probe_catches_a_skipped_sync_in_fp32(worker, probes):
@@ -111,4 +111,4 @@ def test_probe_catches_one_layers_b_left_out_in_fp32(worker, probes):
     with pytest.raises(SyncError, match="disagree"):
         worker.sync_session.probe()
     worker.sync(PROBING_SYNC)  # a real sync puts it right
-    assert worker.sync_session.probe()["sync/logprob_diff_max"] < FP32_BOUNDS.max
+    assert worker.sync_session.probe().sync_max < FP32_BOUNDS.max

@@ -143,7 +143,12 @@ METRICS: tuple[Metric, ...] = (
     ),
     M("memory/max_allocated_gib", "peak device memory of the worker so far (GPU)", "GiB", "worker"),
     M("memory/update_peak_gib", "device memory the update added above what it started with (GPU)", "GiB", "worker"),
-    M("rollout/sleeps", "times vLLM slept during an update so far", "count", "worker"),
+    M(
+        "rollout/sleeps",
+        "1 when vLLM slept during this step's update (the sleep plan), 0 when it stayed awake",
+        "0/1",
+        "worker",
+    ),
     # The weight sync and its checks.
     M("sync/kind", "what the sync sent: adapter, base, merged, or base+adapter", "text", "worker"),
     M("sync/num_tensors", "tensors sent", "count", "worker"),

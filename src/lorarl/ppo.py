@@ -16,9 +16,9 @@ import torch
 from lorarl import algorithms
 from lorarl import rollout_correction as rcorr
 from lorarl.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
-from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn, reduce_metrics
+from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn
 from lorarl.errors import TrainingError
-from lorarl.messages import Sampling
+from lorarl.messages import Sampling, reduce_metrics
 from lorarl.schema import ActorConfig
 from lorarl.schema_algorithm import RolloutCorrectionConfig
 

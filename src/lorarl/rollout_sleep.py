@@ -88,22 +88,23 @@ class RolloutSleep:
     def record_update(self, peak_bytes: int, micro_batch_tokens_max: int) -> None:
         self._update_peak = (peak_bytes, micro_batch_tokens_max)
 
-    def replan(self) -> dict:
+    def replan(self) -> str | None:
         """After an update that ran with the rollout asleep on the estimate's word: awake from the
         next update on if the update's measured peak fits beside the awake engine
         (memory.plan_from_peak). Collective while any rank sleeps (decided once in setup, so no
         step pays for it after), because all ranks must agree: one that does not fit keeps every
-        rank's plan as it was. Called awake, so a changed plan takes effect at the next sleep."""
+        rank's plan as it was. Called awake, so a changed plan takes effect at the next sleep. Returns the new plan, as a
+        line for the log, when it changed."""
         measured, self._update_peak = self._update_peak, None
         if measured is None or not self._some_rank_sleeps or self.run.rollout.free_cache_engine is not None:
-            return {}
+            return None
         plan = self.plan
         if plan.sleeps:
             plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
         if not all_ranks(not plan.sleeps, self.device):
-            return {}
+            return None
         self._some_rank_sleeps = False
         if plan is self.plan:
-            return {}
+            return None
         self.plan = plan
-        return {"rollout/sleep_plan": str(plan)}
+        return str(plan)

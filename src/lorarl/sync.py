@@ -87,7 +87,8 @@ class WeightPayload:
 
 @dataclass
 class SyncStats:
-    """One sync, as logged per step. gather_s is the producer's share (trainer side)."""
+    """One payload's sync; a step's payloads sum into lorarl.messages.SyncReport. gather_s is
+    the producer's share (trainer side)."""
 
     kind: PayloadKind
     num_tensors: int = 0
@@ -99,19 +100,6 @@ class SyncStats:
     @property
     def seconds(self) -> float:
         return self.gather_s + self.transfer_s + self.load_s
-
-    @staticmethod
-    def summary(stats: list[SyncStats]) -> dict[str, float | int | str]:
-        """One sync's payloads (base, then adapter) as the step's `sync/*` metrics."""
-        return {
-            "sync/kind": "+".join(s.kind.value for s in stats),
-            "sync/num_tensors": sum(s.num_tensors for s in stats),
-            "sync/bytes": sum(s.bytes for s in stats),
-            "sync/gather_seconds": sum(s.gather_s for s in stats),
-            "sync/transfer_seconds": sum(s.transfer_s for s in stats),
-            "sync/load_seconds": sum(s.load_s for s in stats),
-            "sync/seconds": sum(s.seconds for s in stats),
-        }
 
 
 def _pairs(tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> Iterable:

@@ -406,15 +406,6 @@ def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
     return read_probe(trainer, vllm, reference)
 
 
-def timed_adapter_check(rollout, payload, rank: int | None = None) -> dict[str, float]:
-    """verify_adapter as sync metrics: `sync/adapter_match` (1.0; a mismatch raises) and its cost."""
-    import time
-
-    start = time.perf_counter()
-    match = verify_adapter(rollout, payload, rank)
-    return {"sync/adapter_match": match, "sync/adapter_check_seconds": time.perf_counter() - start}
-
-
 def verify_weights(rollout, rank: int | None = None) -> tuple[float, int]:
     """The exact check after a base (or merged) sync: every parameter vLLM serves and can show
     equals the payload as cast to vLLM's dtype. Returns (1.0, parameters checked); a mismatch is
@@ -435,15 +426,3 @@ def verify_weights(rollout, rank: int | None = None) -> tuple[float, int]:
             )
         checked += 1
     return 1.0, checked
-
-
-def timed_weights_check(rollout, rank: int | None = None) -> dict[str, float]:
-    import time
-
-    start = time.perf_counter()
-    match, checked = verify_weights(rollout, rank)
-    return {
-        "sync/weights_match": match,
-        "sync/weights_checked": checked,
-        "sync/weights_check_seconds": time.perf_counter() - start,
-    }

@@ -10,6 +10,7 @@ run probes at once), every trainer.check_sync_probe_freq steps and on the last.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from lorarl import sync_checks
 from lorarl.config import RunConfig
 from lorarl.engines.base import Engine
-from lorarl.messages import SyncRequest
+from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import PayloadKind, SyncStats
 
 
@@ -44,16 +45,18 @@ class SyncSession:
         self.probe_seqs = sync_checks.choose_probes(sequences)
         self._probe_due = True
 
-    def sync(self, request: SyncRequest) -> dict:
+    def sync(self, request: SyncRequest) -> SyncReport:
         """Export, apply and check every payload the rollout needs; the probe when it is due.
-        Collective over all workers."""
+        Collective over all workers. A failed check raises SyncError."""
         stats: list[SyncStats] = []
         checks: dict = {}
         if self.merge or not self.rollout.base_loaded:
             payload, gather_s = self.engine.export(PayloadKind.BASE)
             stats.append(self._apply(payload, gather_s))
             if self.check:
-                checks.update(sync_checks.timed_weights_check(self.rollout, self.rank))
+                t0 = time.perf_counter()
+                checks["weights_match"], checks["weights_checked"] = sync_checks.verify_weights(self.rollout, self.rank)
+                checks["weights_check_seconds"] = time.perf_counter() - t0
         if not self.merge:
             # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
             payload, gather_s = self.engine.export(
@@ -61,13 +64,18 @@ class SyncSession:
             )
             stats.append(self._apply(payload, gather_s))
             if self.check:
-                checks.update(sync_checks.timed_adapter_check(self.rollout, payload, self.rank))
-        out = {**SyncStats.summary(stats), "sync/num_adapters": self.rollout.num_adapters(), **checks}
+                t0 = time.perf_counter()
+                checks["adapter_match"] = sync_checks.verify_adapter(self.rollout, payload, self.rank)
+                checks["adapter_check_seconds"] = time.perf_counter() - t0
+        report = dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
         if self._probe_now(request):
             t0 = time.perf_counter()
-            out.update(self.probe())
-            out["sync/probe_seconds"] = time.perf_counter() - t0
-        return out
+            reading = self.probe()
+            report.logprob_diff_max = reading.sync_max
+            report.logprob_diff_mean = reading.sync_mean
+            report.logprob_ref_diff_mean = reading.ref_mean
+            report.probe_seconds = time.perf_counter() - t0
+        return report
 
     def _probe_now(self, request: SyncRequest) -> bool:
         if not self.check or self.probe_seqs is None or request.step == 0:
@@ -85,19 +93,8 @@ class SyncSession:
         trainer_fp32 = self.engine.compute_dtype == torch.float32
         return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.tolerance)
 
-    def probe(self) -> dict[str, float]:
+    def probe(self) -> sync_checks.ProbeReading:
         """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
         reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
         sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
-        return reading.as_metrics()
-
-
-def merge_reports(reports: list[dict]) -> dict:
-    """The workers' sync reports as one: the first worker's, with the probe's worst token and
-    the adapter count taken over all of them."""
-    merged = dict(reports[0])
-    for key in ("sync/logprob_diff_max", "sync/logprob_diff_mean"):
-        if key in merged:
-            merged[key] = max(r[key] for r in reports)
-    merged["sync/num_adapters"] = max(r["sync/num_adapters"] for r in reports)
-    return merged
+        return reading

@@ -25,9 +25,8 @@ from lorarl import algorithms
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
-from lorarl.engines.base import reduce_metrics
 from lorarl.errors import LorarlError
-from lorarl.messages import GenerateRequest, Sampling, SyncRequest, UpdateRequest
+from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
 from lorarl.tracking import Tracker, console, redact
 
 
@@ -177,10 +176,10 @@ class GRPOTrainer:
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False))
-        self.tracker.log({**placement, **{f"init/{k}": v for k, v in first_sync.items()}}, step=0)
+        self.tracker.log({**placement, **{f"init/{k}": v for k, v in first_sync.metrics().items()}}, step=0)
         say(
-            f"first sync: {first_sync['sync/kind']}, {first_sync['sync/num_tensors']} tensors, "
-            f"{first_sync['sync/bytes'] / 2**20:.2f} MiB, {first_sync['sync/seconds']:.3f} s"
+            f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
+            f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
         )
         if tc.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)
@@ -191,7 +190,7 @@ class GRPOTrainer:
         while self.step < self.total_steps:
             self.step += 1
             try:
-                metrics = self.train_step()
+                metrics, sync = self.train_step()
                 if (
                     tc.test_freq > 0
                     and self.val_items
@@ -202,12 +201,12 @@ class GRPOTrainer:
                     metrics["timing/save"] = self.save_checkpoint()
             except LorarlError as err:
                 raise type(err)(self._stopped_at(err)) from err
-            if plan := metrics.pop("rollout/sleep_plan", None):
-                say(f"step {self.step}: from the next step the {plan}")
+            if sync.sleep_plan:
+                say(f"step {self.step}: from the next step the {sync.sleep_plan}")
             self.tracker.log(metrics, step=self.step)
             last_reward = metrics["reward/mean"]
             bar.update(1)
-            bar.set_postfix(reward=f"{last_reward:.3f}", sync=metrics["sync/kind"])
+            bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
         bar.close()
         final = self.out_dir / "final_adapter"
         self.workers.export_adapter(str(final))
@@ -252,8 +251,9 @@ class GRPOTrainer:
         self.loader.load_state_dict(loader_state)
         random.setstate(python_rng)
 
-    def train_step(self) -> dict:
-        """One GRPO step: three calls to the workers (generate; update; sync)."""
+    def train_step(self) -> tuple[dict, SyncReport]:
+        """One GRPO step: three calls to the workers (generate; update; sync). Returns the step's
+        metrics and the merged sync report (its kind and a changed sleep plan go to the console)."""
         t_step = time.perf_counter()
         groups, gen_rounds, t_gen = self.rollout_groups()
         t0 = time.perf_counter()
@@ -265,13 +265,14 @@ class GRPOTrainer:
 
         rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
         lengths = [len(s) for g in groups for s in g.samples]
+        replicas = [report.metrics() for report in train]
         metrics = {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "response_length/mean": sum(lengths) / len(lengths),
             "response_length/max": max(lengths),
-            **reduce_metrics({k: [replica[k] for replica in train] for k in train[0]}),
-            **sync,
+            **reduce_metrics({k: [replica[k] for replica in replicas] for k in replicas[0]}),
+            **sync.metrics(),
         }
         fg = self.run.algorithm.filter_groups
         if fg.enable:
@@ -286,7 +287,7 @@ class GRPOTrainer:
         metrics["timing/sync"] = t_sync
         metrics["timing/step"] = time.perf_counter() - t_step
         metrics["data/epoch"] = self.loader.epoch
-        return metrics
+        return metrics, sync
 
     def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
         """Group-normalised advantages; prompt groups split contiguously over data-parallel replicas."""

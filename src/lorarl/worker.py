@@ -24,7 +24,7 @@ from lorarl.checkpoint import load_engine_state, save_engine_state
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
-from lorarl.messages import GenerateRequest, Rollouts, SyncRequest, UpdateRequest
+from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
 from lorarl.peft_io import save_peft_adapter
 from lorarl.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.rollout_sleep import RolloutSleep, can_sleep
@@ -119,7 +119,7 @@ class Worker:
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
         )
-        self.engine = make_engine(self.run, self.device)
+        self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed)
         self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
         self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
         self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
@@ -154,14 +154,14 @@ class Worker:
             self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
         return out
 
-    def update(self, request: UpdateRequest) -> dict:
+    def update(self, request: UpdateRequest) -> UpdateReport:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
         a, temperature = self.run.actor, request.sampling.temperature
-        timing = {"timing/sleep": self.sleep.sleep(), "rollout/sleeps": float(self.sleep.sleeps)}
+        timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
@@ -176,31 +176,32 @@ class Worker:
         if needs_old_logp(a, self.run.data.train_batch_size, self.correction):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
-            timing["timing/old_logp"] = time.perf_counter() - t0
+            timing["old_logp_seconds"] = time.perf_counter() - t0
         if a.use_kl_loss:
             t0 = time.perf_counter()
             batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
-            timing["timing/ref_logp"] = time.perf_counter() - t0
+            timing["ref_logp_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
-        timing["timing/update"] = time.perf_counter() - t0
+        timing["update_seconds"] = time.perf_counter() - t0
+        report = UpdateReport.of(metrics, **timing)
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(metrics["actor/micro_batch_tokens_max"]))
-            metrics["memory/max_allocated_gib"] = highest / 2**30
-            metrics["memory/update_peak_gib"] = (highest - before) / 2**30
-        return {**metrics, **timing}
+            self.sleep.record_update(highest - before, int(report.micro_batch_tokens_max))
+            report.max_allocated_gib = highest / 2**30
+            report.update_peak_gib = (highest - before) / 2**30
+        return report
 
-    def sync(self, request: SyncRequest) -> dict:
+    def sync(self, request: SyncRequest) -> SyncReport:
         """Wake the rollout's weights, sync and check them, wake its cache. Collective."""
         t_wake = self.sleep.wake(["weights"])
-        out = self.sync_session.sync(request)
+        report = self.sync_session.sync(request)
         t_wake += self.sleep.wake(["kv_cache"])
         if self.sleep.sleeps:
-            out["timing/wake"] = t_wake
+            report.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.
-        out.update(self.sleep.replan())
-        return out
+        report.sleep_plan = self.sleep.replan()
+        return report
 
     # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
 
@@ -244,9 +245,11 @@ class Worker:
         gc.collect()
 
 
-def make_engine(run: RunConfig, device: torch.device) -> Engine:
-    """The training engine the backend names (lorarl.engines.BACKENDS)."""
-    return backend_of(run).engine_class()(run, device)
+def make_engine(run: RunConfig, device: torch.device, *, seed: int) -> Engine:
+    """The training engine the backend names (lorarl.engines.BACKENDS). An engine reads its own
+    groups of `run` (model, actor, backend) at construction; what it needs from elsewhere is
+    passed: the seed here, a step's values in the call (lorarl.ppo passes the request's Sampling)."""
+    return backend_of(run).engine_class()(run, device, seed=seed)
 
 
 # Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink

@@ -16,8 +16,7 @@ from typing import Any
 
 from lorarl.config import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
-from lorarl.messages import GenerateRequest, Rollouts, SyncRequest, UpdateRequest
-from lorarl.sync_session import merge_reports
+from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
 from lorarl.worker import Worker, worker_env
 
 # How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
@@ -173,13 +172,13 @@ class WorkerGroup:
         refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
         return self._first_of(self.rollout_replica, refs)
 
-    def update(self, per_replica: list[UpdateRequest]) -> list[dict]:
-        """Sleep, log-probs, PPO update: one request and one metrics dict per data-parallel replica."""
+    def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:
+        """Sleep, log-probs, PPO update: one request and one report per data-parallel replica."""
         return self._per_replica([w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
 
-    def sync(self, request: SyncRequest) -> dict:
+    def sync(self, request: SyncRequest) -> SyncReport:
         """Every worker's sync (wake, payloads, checks, the probe when due), as one report."""
-        return merge_reports(self._get([w.sync.remote(request) for w in self.workers]))
+        return SyncReport.merge(self._get([w.sync.remote(request) for w in self.workers]))
 
     # ---- checkpoints ------------------------------------------------------------------------
 

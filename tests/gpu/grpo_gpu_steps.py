@@ -213,7 +213,7 @@ def main() -> None:
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
         train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, sampling_of(run)))
-        t_sleep = train["timing/sleep"]
+        t_sleep = train.sleep_seconds
         t_sync0 = time.perf_counter()
         sync = worker.sync(SyncRequest(step=step, last=step == args.steps))
         t_sync = time.perf_counter() - t_sync0
@@ -224,20 +224,20 @@ def main() -> None:
                 "reward/mean": sum(rewards) / len(rewards),
                 "timing/gen": t_gen,
                 "timing/sleep": t_sleep,
-                "timing/old_logp": train.get("timing/old_logp", 0.0),
-                "timing/ref_logp": train.get("timing/ref_logp", 0.0),
-                "timing/update": train["timing/update"],
+                "timing/old_logp": train.old_logp_seconds or 0.0,
+                "timing/ref_logp": train.ref_logp_seconds or 0.0,
+                "timing/update": train.update_seconds,
                 "timing/sync_wall": t_sync,
                 "timing/step": time.perf_counter() - t_step,
                 "rollout/tokens_per_s": tokens / t_gen,
                 "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                "actor/grad_norm": train["actor/grad_norm"],
-                "actor/kl_loss": train["actor/kl_loss"],
-                **sync,
+                "actor/grad_norm": train.grad_norm,
+                "actor/kl_loss": train.kl_loss,
+                **sync.metrics(),
             }
         )
-        assert sync["sync/kind"] == ("base" if args.merge else "adapter"), sync
-        assert sync["sync/num_adapters"] == (0 if args.merge else 1), sync
+        assert sync.kind == ("base" if args.merge else "adapter"), sync
+        assert sync.num_adapters == (0 if args.merge else 1), sync
         if rank == 0:
             print(json.dumps(log[-1]), flush=True)
 
@@ -276,7 +276,7 @@ def main() -> None:
             "model": args.model,
             "world": world,
             "setup_s": setup_s,
-            "first_sync": first,
+            "first_sync": first.metrics(),
             "steps": log,
             "rollout_tokens_per_s": speed,
             "rollout_speed_shape": [len(prompts), new_tokens],
@@ -323,8 +323,8 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
     return worker.rollout.run_in_worker(engine_tensors)
 
 
-def _resend(worker) -> tuple[dict, float]:
-    """worker.sync with the parity probe measured, not enforced: (sync metrics, probe max diff)."""
+def _resend(worker) -> tuple:
+    """worker.sync with the parity probe measured, not enforced: (SyncReport, probe max diff)."""
     from lorarl import sync_checks
     from lorarl.messages import SyncRequest
 
@@ -357,7 +357,7 @@ def resend_regression(worker, prompts: list[list[int]]) -> dict:
     resend, probe = _resend(worker)
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
     return {
-        "sync_after_resend": resend["sync/kind"],
+        "sync_after_resend": resend.kind,
         "resend_probe_vs_trainer": probe,
         "resend_tensor_changes": tensor_changes(before, _snapshot(worker)),
         "resend_logprob_diff": float((logp1 - logp0).abs().max()),
@@ -382,7 +382,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.sync_session.probe()["sync/logprob_diff_max"]
+    probe1 = worker.sync_session.probe().sync_max
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded
@@ -401,9 +401,9 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
         "adapters_listed_before_level2": listed_before,
         "adapters_listed_after_level2_sleep": listed_after,
         "base_loaded_after_level2_sleep": base_loaded,
-        "sync_after_level2": resend["sync/kind"],
-        "sync_after_level2_bytes": resend["sync/bytes"],
-        "sync_after_level2_seconds": resend["sync/seconds"],
+        "sync_after_level2": resend.kind,
+        "sync_after_level2_bytes": resend.bytes,
+        "sync_after_level2_seconds": resend.seconds,
         "sync_after_level2_probe_vs_trainer": probe2,
         "level2_tensor_changes": level2_changes,
         "level2_logprob_diff": float((logp2 - logp0).abs().max()),

@@ -142,7 +142,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     out = Path(out_dir)
     t0 = time.perf_counter()
     run = _run_config(hf_dir, tp, pp, dtype, variant)
-    engine = MegatronEngine(run)
+    engine = MegatronEngine(run, seed=run.trainer.seed)
     temp = run.rollout.temperature
     sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
     correction = Correction.of(run.algorithm.rollout_correction, "cuda")

@@ -102,7 +102,8 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
 
     out = Path(out_dir)
     t0 = time.perf_counter()
-    engine = MegatronEngine(_run_config(hf_dir, ep, dtype))
+    run = _run_config(hf_dir, ep, dtype)
+    engine = MegatronEngine(run, seed=run.trainer.seed)
     rank = dist.get_rank()
     result: dict = {"ep": ep, "dtype": dtype, "layers": LAYERS, "experts": EXPERTS, "build_s": time.perf_counter() - t0}
     g = torch.Generator().manual_seed(123)

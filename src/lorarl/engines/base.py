@@ -90,15 +90,6 @@ def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, flo
     return [{k: float(v) for k, v in m.items()} for m in per_micro]
 
 
-def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
-    """One number per metric over micro-batches (or workers): the largest for `*_max` keys, the
-    smallest for `*_min` keys, else the mean."""
-    return {
-        k: max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
-        for k, v in values.items()
-    }
-
-
 def check_grad_norm(grad_norm: float, step: int) -> float:
     if not math.isfinite(grad_norm):
         raise TrainingError(f"step {step}: grad norm is {grad_norm}; stopping before the update is applied")

@@ -99,7 +99,10 @@ def takes_prepared_masks(config) -> bool:
 
 
 class FSDPEngine:
-    def __init__(self, run: RunConfig, device: torch.device):
+    def __init__(self, run: RunConfig, device: torch.device, *, seed: int | None = None):
+        """`run` for its model, actor and backend groups. `seed` is taken for the engines' common
+        constructor and not used: LoRA's init draws from the process RNG the worker and vLLM
+        seeded (lorarl.worker.Worker.setup)."""
         self.run = run
         self.device = device
         self.world = dist.get_world_size()

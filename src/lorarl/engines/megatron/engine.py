@@ -65,9 +65,10 @@ class MegatronEngine:
     # Megatron's local attention is causal-only: rows are right-padded (check_right_padded).
     left_pad_prompts = False
 
-    def __init__(self, run: RunConfig, device: torch.device | None = None) -> None:
+    def __init__(self, run: RunConfig, device: torch.device | None = None, *, seed: int) -> None:
+        """`run` for its model, actor and backend groups (only those are kept); `seed`
+        (trainer.seed) for Megatron's model-parallel CUDA RNG."""
         require_cuda()
-        self.run = run
         self.model_cfg, self.actor, self.backend = run.model, run.actor, run.backend
         self.lora = self.model_cfg.lora
         self.path = self.model_cfg.path
@@ -89,7 +90,7 @@ class MegatronEngine:
                 "to adapt only the listed projections",
                 ",".join(self.peft_spec.widened),
             )
-        self._init_parallel(device, run.trainer.seed)
+        self._init_parallel(device, seed)
         self.num_experts = num_experts_of(hf_config)
         from megatron.core import parallel_state
 
