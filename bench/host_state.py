@@ -165,16 +165,22 @@ class Sampler:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        # One closing sample after the stop covers the tail, so a run shorter than the
+        # interval still records the host once.
         last = cpu_times()
         while not self._stop.wait(self.interval_s):
-            sample: dict = {}
-            now = cpu_times()
-            if last and now and now[1] > last[1]:
-                sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])
-            last = now
-            if self.gpu:
-                sample.update(nvidia_smi(SAMPLED) or {})
-            self.samples.append(sample)
+            last = self._sample(last)
+        self._sample(last)
+
+    def _sample(self, last):
+        sample: dict = {}
+        now = cpu_times()
+        if last and now and now[1] > last[1]:
+            sample["cpu_busy"] = (now[0] - last[0]) / (now[1] - last[1])
+        if self.gpu:
+            sample.update(nvidia_smi(SAMPLED) or {})
+        self.samples.append(sample)
+        return now
 
     def summary(self) -> dict:
         keys = ("cpu_busy", *SAMPLED) if self.gpu else ("cpu_busy",)
