@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,35 +172,6 @@ def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):
     assert [r["sync/kind"] for r in rows] == ["adapter"] * 3
     assert max(r["sync/logprob_diff_max"] for r in rows) < 1e-3
     assert rows[0]["sync/bytes"] < lines[0]["init/sync/bytes"] / 10
-
-
-def test_resume_matches_an_uninterrupted_run(cache, tmp_path):
-    """A run that died after step 4's rows but before its checkpoint resumes from step 2 and
-    repeats steps 3-4 exactly as the uninterrupted run took them."""
-    common = (
-        "trainer.device=cpu",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=8",
-        "actor.ppo_mini_batch_size=8",
-        "rollout.n=4",
-        "trainer.total_steps=4",
-        "trainer.save_freq=2",
-    )
-    straight = grpo(tmp_path / "run", cache, *common)
-    assert straight.returncode == 0, straight.stderr[-5000:]
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_2", "global_step_4"]
-    shutil.rmtree(checkpoints / "global_step_4")
-    resumed = grpo(tmp_path / "run", cache, *common)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    rows = metrics(tmp_path / "run")  # the log is appended to: steps 3-4 twice
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]
-    for ra, rb in zip(rows[2:4], rows[4:]):
-        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_2", "global_step_4"]
-    assert_described(logged_keys(tmp_path / "run"), "a resumed run with checkpoints")
 
 
 def test_multirun_folders_and_summary(cache, tmp_path):

@@ -25,6 +25,7 @@ import pytest
 from lorarl.checkpoint import is_complete
 from lorarl.data.arith import make_rows
 from lorarl.data.dataset import write_parquet
+from tests.test_metrics import assert_described
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small enough for two CPU cores: 4 prompts x 2 samples per step.
@@ -532,7 +533,7 @@ def assert_all_gone(pids, grace: float = 30) -> None:
 def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_resume(cache, tmp_path):
     """A worker killed mid-run (as the OOM killer would) ends the run with that worker's error
     within seconds. Then the newest checkpoint loses a file, and the relaunch resumes from the
-    one before it."""
+    one before it and repeats the lost step exactly."""
     run = tmp_path / "run"
     bg = Background(run, cache, "trainer.save_freq=1", "trainer.total_steps=50")
     bg.wait_for("step 2:")
@@ -560,6 +561,12 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     after = [r for r in rows[resumed + 1 :] if "reward/mean" in r]
     assert [r["step"] for r in after] == [newest, newest + 1], after
     assert all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
+    # The repeated step is the step the killed run took (its row is logged after its checkpoint):
+    # model, optimizer, data order and sampling seeds all come back.
+    before = next(r for r in rows[:resumed] if r.get("step") == newest and "reward/mean" in r)
+    for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert after[0][key] == pytest.approx(before[key], rel=1e-5, abs=1e-7), key
+    assert_described({k for r in rows for k in r}, "a resumed run with checkpoints")
 
 
 @pytest.mark.slow
