@@ -115,9 +115,9 @@ VERL_KEYS: tuple[Key, ...] = (
     Key(A + "actor.megatron.use_mbridge", None, "a bridge is always used (backend.bridge)", only=("True", "true")),
     Key(
         A + "actor.megatron.vanilla_mbridge",
-        "backend.bridge",
-        "False -> megatron_bridge, True -> mbridge",
-        values={"False": "megatron_bridge", "false": "megatron_bridge", "True": "mbridge", "true": "mbridge"},
+        None,
+        "LoRA is exported through Megatron-Bridge (backend.bridge=megatron_bridge); vanilla mbridge has no adapter export",
+        only=("False", "false"),
     ),
     Key(A + "actor.megatron.override_transformer_config.recompute_method", "backend.recompute_method"),
     Key(A + "actor.megatron.override_transformer_config.recompute_granularity", "backend.recompute_granularity"),

@@ -1,7 +1,7 @@
-"""The released Megatron-Bridge / mbridge / megatron-core sources, for tests on a CPU machine.
+"""The released Megatron-Bridge / megatron-core sources, for tests on a CPU machine.
 
-None of the three imports here (Megatron-Bridge needs Python 3.12 and TransformerEngine;
-mbridge and megatron-core need CUDA to do anything), so tests read the real wheels instead:
+Neither imports here (Megatron-Bridge needs Python 3.12 and TransformerEngine; megatron-core
+needs CUDA to do anything), so tests read the real wheels instead:
 `pip download --no-deps` once into the pytest cache (or a folder named by
 LORARL_MEGATRON_WHEELS), unzip, and
 - list a class's methods and their signatures with `ast` (inherited ones included), so a
@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-WHEELS = {"megatron-bridge": "0.6.2", "mbridge": "0.15.1", "megatron-core": "0.19.2"}
+WHEELS = {"megatron-bridge": "0.6.2", "megatron-core": "0.19.2"}
 
 
 class SourcesUnavailable(RuntimeError):
@@ -332,10 +332,6 @@ class Sources:
     def mc(self) -> Path:  # megatron/core package
         return self.root / "megatron-core" / "megatron" / "core"
 
-    @property
-    def mbr(self) -> Path:  # mbridge package
-        return self.root / "mbridge" / "mbridge"
-
     def api(self, path: Path, class_name: str) -> Api:
         return class_api(self.roots, path, class_name)
 
@@ -353,4 +349,4 @@ def sources_or_skip(request: Any) -> Sources:
     try:
         return Sources(fetch(str(where)))
     except SourcesUnavailable as e:
-        pytest.skip(f"released Megatron-Bridge/mbridge/megatron-core wheels unavailable (offline?): {e}")
+        pytest.skip(f"released Megatron-Bridge/megatron-core wheels unavailable (offline?): {e}")

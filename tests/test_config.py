@@ -423,13 +423,8 @@ def test_megatron_checks(hydra_compose):
         to_run_config(
             hydra_compose(["+backend=megatron", "backend.tensor_model_parallel_size=2", "model.lora.rank=15"])
         )
-    with pytest.raises(ConfigError, match="mbridge"):
-        to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge"]))
-    mbridge = ["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]
-    with pytest.raises(ConfigError, match="mbridge maps TransformerEngine layer names only"):
-        to_run_config(hydra_compose(mbridge))
-    run = to_run_config(hydra_compose([*mbridge, "backend.transformer_impl=transformer_engine"]))
-    assert run.model.lora.merge
+    with pytest.raises(ConfigError, match="backend.bridge=mbridge is not supported"):
+        to_run_config(hydra_compose(["+backend=megatron", "backend.bridge=mbridge", "model.lora.merge=true"]))
     # Tensor-parallel ranks share a replica: batch sizes divide over replicas, not devices.
     run = to_run_config(
         hydra_compose(

@@ -259,6 +259,10 @@ def test_translated_launches_validate_or_name_the_key(tmp_path):
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name=sglang: lorarl supports only vllm"),
         (["actor_rollout_ref.model.path=org/Unknown-9B"], "no conf/model preset"),
         (
+            ["actor_rollout_ref.actor.megatron.vanilla_mbridge=True"],
+            "vanilla_mbridge=True: lorarl supports only False or false (LoRA is exported through Megatron-Bridge",
+        ),
+        (
             [
                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
@@ -280,7 +284,6 @@ def test_renamed_values_translate(hydra_compose):  # noqa: F811
             "algorithm.rollout_correction.rollout_is=sequence",
             "algorithm.rollout_correction.rollout_is_threshold=3.0",
             "actor_rollout_ref.actor.strategy=megatron",
-            "actor_rollout_ref.actor.megatron.vanilla_mbridge=True",
             "trainer.total_training_steps=7",
         ]
     )
@@ -288,7 +291,7 @@ def test_renamed_values_translate(hydra_compose):  # noqa: F811
     cfg = compose_job(result.overrides)
     assert cfg.algorithm.rollout_correction.rollout_is == "sequence"
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == 3.0
-    assert (cfg.backend.bridge, cfg.trainer.total_steps) == ("mbridge", 7)
+    assert (cfg.backend.bridge, cfg.trainer.total_steps) == ("megatron_bridge", 7)
 
 
 def test_new_algorithm_and_moe_keys_translate(hydra_compose):  # noqa: F811

@@ -303,16 +303,10 @@ def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
             r"backend\.sequence_parallel=true needs backend\.transformer_impl=transformer_engine",
         ),
         (
-            {},
+            {"merge": True},
             {"bridge": "mbridge", "transformer_impl": "transformer_engine"},
             {},
-            r"backend\.bridge=mbridge cannot export LoRA adapters; set model\.lora\.merge=true",
-        ),
-        (
-            {"merge": True},
-            {"bridge": "mbridge"},
-            {},
-            r"backend\.bridge=mbridge maps TransformerEngine layer names only",
+            r"backend\.bridge=mbridge is not supported \(it cannot export LoRA adapters\); set backend\.bridge=megatron_bridge",
         ),
         ({}, {"bridge": "vanilla"}, {}, r"backend\.bridge='vanilla' is not valid"),
         ({}, {"transformer_impl": "te"}, {}, r"backend\.transformer_impl='te' is not valid"),

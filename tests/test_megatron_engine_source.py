@@ -19,7 +19,7 @@ import lorarl.engines.megatron as pkg
 from tests.megatron_source import Sources, _signature, sources_or_skip
 
 PKG = Path(pkg.__file__).parent
-FILES = ["engine.py", "bridge.py", "config_map.py", "te_standin.py", "merged_view.py", "experts.py"]
+FILES = ["engine.py", "bridge.py", "config_map.py", "te_standin.py", "experts.py"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def _defines(src: Sources, module: Path, name: str, dotted: str) -> bool:
 def _imports(path: Path) -> list[tuple[str, str]]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("megatron", "mbridge")):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron"):
             out += [(node.module, a.name) for a in node.names]
     return out
 
@@ -148,7 +148,6 @@ def test_engine_calls_use_real_keywords(src):
         "peft": [_function(mb / "peft/base.py", "__call__", "PEFT")],
         "disable_adapter": [_function(mb / "peft/base.py", "disable_adapter", "PEFT")],
         "set_params_to_save": [_function(mb / "peft/base.py", "set_params_to_save", "PEFT")],
-        "merge": [_function(mb / "peft/lora_merge.py", "merge", "LoRAMerge")],
     }
     checked = 0
     for callee, candidates in sigs.items():

@@ -225,11 +225,6 @@ def check_megatron(run: RunConfig) -> None:
         f"backend.expert_model_parallel_size x backend.expert_tensor_parallel_size x "
         f"backend.pipeline_model_parallel_size = {mp} must divide the {world} devices",
     )
-    check(
-        b.bridge != "mbridge" or lora.merge,
-        "backend.bridge=mbridge cannot export LoRA adapters; set model.lora.merge=true or "
-        "backend.bridge=megatron_bridge",
-    )
 
 
 def check_model_shape(

@@ -43,7 +43,8 @@ class FSDPBackendConfig:
 @dataclass
 class MegatronBackendConfig:
     strategy: str = MISSING
-    # megatron_bridge (LoRA adapters + HF export) or mbridge (full weights only).
+    # The HF<->Megatron bridge: megatron_bridge (LoRA adapters, merged and base HF exports) is
+    # the one lorarl exports through; the key stays so verl's bridge choice has a home.
     bridge: str = MISSING
     tensor_model_parallel_size: int = MISSING
     pipeline_model_parallel_size: int = MISSING
@@ -83,7 +84,11 @@ class MegatronBackendConfig:
             "and spread experts with backend.expert_model_parallel_size",
         )
         one_of("backend.strategy", self.strategy, ("megatron",))
-        one_of("backend.bridge", self.bridge, ("megatron_bridge", "mbridge"))
+        check(
+            self.bridge != "mbridge",
+            "backend.bridge=mbridge is not supported (it cannot export LoRA adapters); set backend.bridge=megatron_bridge",
+        )
+        one_of("backend.bridge", self.bridge, ("megatron_bridge",))
         one_of("backend.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         check(
             not (self.sequence_parallel and tp == 1),
@@ -94,11 +99,6 @@ class MegatronBackendConfig:
             not (self.sequence_parallel and self.transformer_impl == "local"),
             "backend.sequence_parallel=true needs backend.transformer_impl=transformer_engine: the local spec's "
             "RMSNorm (torch.nn.RMSNorm wrapper) does not support sequence parallelism",
-        )
-        check(
-            self.bridge != "mbridge" or self.transformer_impl == "transformer_engine",
-            "backend.bridge=mbridge maps TransformerEngine layer names only (linear_qkv.layer_norm_weight); "
-            "set backend.transformer_impl=transformer_engine or backend.bridge=megatron_bridge",
         )
         self._check_recompute()
         for key in (

@@ -7,8 +7,7 @@ Implements lorarl.engines.base.Engine; the PPO update is the shared one, this cl
 the forward/backward through Megatron's pipeline schedule.
 
 Not supported here: the TransformerEngine spec and sequence parallelism need TransformerEngine
-(the local spec runs through te_standin), fp16 and virtual pipeline stages are untested, and the
-mbridge path (merged_lora_view) builds TransformerEngine layers only.
+(the local spec runs through te_standin), fp16 and virtual pipeline stages are untested.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from lorarl.engines.base import (
     check_grad_norm,
     read_metrics,
 )
-from lorarl.engines.megatron.bridge import MBridgeAdapter, MegatronBridgeAdapter
+from lorarl.engines.megatron.bridge import MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
     peft_adapter_config,
@@ -40,7 +39,6 @@ from lorarl.engines.megatron.config_map import (
     require_cuda,
 )
 from lorarl.engines.megatron.experts import ExpertParallel, gather_expert_adapter, num_experts_of, torch_all_gather
-from lorarl.engines.megatron.merged_view import merged_lora_view
 from lorarl.errors import ConfigError, TrainingError
 
 log = logging.getLogger(__name__)
@@ -160,22 +158,7 @@ class MegatronEngine:
             raise ConfigError(
                 f"model.lora.target_modules={list(self.lora.target_modules)} matched no Megatron linear; nothing to train"
             )
-        if self.backend.bridge == "mbridge":
-            bridge = self._mbridge_adapter()
-        else:
-            bridge = MegatronBridgeAdapter(auto, cpu=False)
-        return model, peft, bridge
-
-    def _mbridge_adapter(self) -> MBridgeAdapter:
-        """UNVERIFIED: mbridge export over the Megatron-Bridge-built model (TE spec only)."""
-        if self.lora.type != "lora":
-            raise ConfigError("backend.bridge=mbridge supports model.lora.type=lora only (its merged export)")
-        from mbridge import AutoBridge as MAutoBridge
-
-        # mbridge reads megatron-core's parallel state in its constructor: built after init.
-        return MBridgeAdapter(
-            MAutoBridge.from_pretrained(self.path, trust_remote_code=False), merged_view=merged_lora_view
-        )
+        return model, peft, MegatronBridgeAdapter(auto, cpu=False)
 
     def _build_optimizer(self) -> Any:
         from megatron.core.distributed import finalize_model_grads
@@ -427,11 +410,6 @@ class MegatronEngine:
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter
         folder would load as the untrained base model."""
-        if not self.bridge.supports_adapter:
-            raise ConfigError(
-                "backend.bridge=mbridge cannot export the trained LoRA adapter, so none is written; "
-                "use backend.bridge=megatron_bridge to keep it"
-            )
         return {k: v.cpu() for k, v in self._adapter_tensors()}
 
     def _adapter_tensors(self) -> dict[str, torch.Tensor]:
