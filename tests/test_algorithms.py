@@ -10,7 +10,6 @@ from lorarl.algorithms import (
     entropy_from_logits,
     grpo_advantages,
     kl_penalty,
-    logprobs_from_logits,
     masked_mean,
     masked_sum,
     policy_loss,
@@ -85,19 +84,19 @@ def test_grpo_advantages_rejects_shape_mismatch():
 # ---------------------------------------------------------------- log-probs / entropy
 
 
-def test_logprobs_from_logits_hand_values():
+def test_token_logprobs_hand_values():
     # softmax(log([1,2,3,4])) = [.1,.2,.3,.4]; uniform over 4 -> -ln 4
     lp = torch.log(T([1.0, 2.0, 3.0, 4.0]))
     logits = torch.stack([lp, lp, torch.zeros(4)]).unsqueeze(0)  # [1, 3, 4]
     labels = T([[3, 0, 2]])
-    out = logprobs_from_logits(logits, labels, chunk_rows=2)  # chunk boundary inside the row
+    out, _ = token_logprobs(logits, labels, chunk_tokens=2)  # chunk boundary inside the row
     assert out.shape == (1, 3) and out.dtype == torch.float32
     close(out, [[-0.9162907, -2.3025851, -1.3862944]])
 
 
 def test_logprobs_from_bf16_logits_are_float32():
     logits = torch.zeros(2, 1, 2, dtype=torch.bfloat16)
-    out = logprobs_from_logits(logits, T([[0], [1]]))
+    out, _ = token_logprobs(logits, T([[0], [1]]))
     assert out.dtype == torch.float32
     close(out, [[-0.6931472], [-0.6931472]])
 

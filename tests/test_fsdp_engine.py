@@ -62,12 +62,12 @@ def hf_peft(model_path: Path, adapter: dict[str, torch.Tensor] | None):
 
 
 def logprobs(model, prompts, responses) -> torch.Tensor:
-    from lorarl.algorithms import logprobs_from_logits
+    from lorarl.algorithms import token_logprobs
 
     batch = build_batch(prompts, responses, pad_id=0)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    return logprobs_from_logits(logits, batch.input_ids[:, 1:]) * batch.response_mask
+    return token_logprobs(logits, batch.input_ids[:, 1:])[0] * batch.response_mask
 
 
 def test_adapter_gather_methods_agree(engine_run):

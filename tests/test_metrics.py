@@ -7,13 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.metrics import METRICS, describe, markdown, undescribed
+from lorarl.metrics import METRICS, describe, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 HOW_TO_ADD = (
     "add Metric(key, meaning, unit, side) for each to METRICS in src/lorarl/metrics.py, "
     "then run: python -m lorarl.metrics > docs/metrics.md"
 )
+
+
+def undescribed(keys) -> list[str]:
+    """The keys the metrics page does not describe."""
+    return sorted({k for k in keys if describe(k) is None})
 
 
 def logged_keys(path: Path) -> set[str]:

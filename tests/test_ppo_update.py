@@ -34,10 +34,10 @@ class TablePolicy:
         self.micro_sizes: list[list[int]] = []
 
     def logp(self, ids: torch.Tensor) -> torch.Tensor:
-        from lorarl.algorithms import logprobs_from_logits
+        from lorarl.algorithms import token_logprobs
 
         logits = self.E[ids[:, :-1]] @ self.W
-        return logprobs_from_logits(logits, ids[:, 1:])
+        return token_logprobs(logits, ids[:, 1:])[0]
 
     def forward_backward(self, micro, loss_fn: LossFn, entropy: EntropyMode, temperature: float):
         self.micro_sizes.append([len(m) for m in micro])

@@ -16,6 +16,11 @@ from lorarl.data import arith
 from lorarl.models import tiny
 
 
+def build_info(path: str | Path) -> dict:
+    """What the builder recorded (recipe, warm-up loss and greedy accuracy, seconds)."""
+    return json.loads((Path(path) / tiny.MARKER).read_text())
+
+
 def test_builds_a_normal_hf_model_dir(tiny_model_path: Path, lorarl_cache: Path):
     assert tiny_model_path.parent == lorarl_cache
     names = {p.name for p in tiny_model_path.iterdir()}
@@ -62,14 +67,14 @@ def test_second_call_reuses_the_cache(tiny_model_path: Path):
 def test_changed_recipe_rebuilds(tmp_path: Path):
     path = tmp_path / "m"
     tiny.ensure_tiny_model(path, seed=0, warmup_steps=0)
-    assert tiny.build_info(path)["warmup_steps"] == 0
+    assert build_info(path)["warmup_steps"] == 0
     # A marker from an older builder version is not trusted either.
-    info = tiny.build_info(path)
+    info = build_info(path)
     (path / tiny.MARKER).write_text(json.dumps({**info, "builder_version": -1}))
     tiny.ensure_tiny_model(path, seed=0, warmup_steps=0)
-    assert tiny.build_info(path)["builder_version"] == tiny.BUILDER_VERSION
+    assert build_info(path)["builder_version"] == tiny.BUILDER_VERSION
     tiny.ensure_tiny_model(path, seed=0, warmup_steps=2)
-    assert tiny.build_info(path)["warmup_steps"] == 2
+    assert build_info(path)["warmup_steps"] == 2
     assert not list(tmp_path.glob(".m.tmp-*"))  # no build left half-way
 
 
@@ -88,10 +93,10 @@ def test_concurrent_builders_share_one_result(tmp_path: Path):
     path = tmp_path / "shared"
     script = textwrap.dedent(
         f"""
-        from lorarl.models.tiny import ensure_tiny_model, build_info
-        import json
+        from pathlib import Path
+        from lorarl.models.tiny import MARKER, ensure_tiny_model
         p = ensure_tiny_model({str(path)!r}, seed=3, warmup_steps=0)
-        print(json.dumps(build_info(p)))
+        print((Path(p) / MARKER).read_text().replace("\\n", " "))
         """
     )
     procs = [
@@ -126,7 +131,7 @@ def test_warmup_makes_the_policy_partly_right(hf_model, tiny_tokenizer, tiny_mod
     held_out = tiny.greedy_accuracy(hf_model, tiny_tokenizer, arith.held_out_rows())
     assert 0.2 <= acc <= 0.7, acc
     assert held_out < acc, (held_out, acc)
-    info = tiny.build_info(tiny_model_path)
+    info = build_info(tiny_model_path)
     assert info["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
     assert info["greedy_accuracy_held_out"] == pytest.approx(held_out, abs=0.03)
 
@@ -165,7 +170,7 @@ def test_qwen3_is_a_real_qwen3_layout(qwen3_path: Path, tiny_model_path: Path):
     config = json.loads((qwen3_path / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["head_dim"] == 64 and config["attention_bias"] is False
-    assert tiny.build_info(qwen3_path)["arch"] == "qwen3"
+    assert build_info(qwen3_path)["arch"] == "qwen3"
     with safe_open(str(qwen3_path / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("model.layers.0.self_attn.q_norm.weight").shape == (64,)  # per head
@@ -182,7 +187,7 @@ def test_qwen3_warmup_makes_the_policy_partly_right(qwen3_path: Path, tiny_token
     model = AutoModelForCausalLM.from_pretrained(qwen3_path).eval()
     acc = tiny.greedy_accuracy(model, tiny_tokenizer, seen_rows())
     assert 0.2 <= acc <= 0.8, acc
-    assert tiny.build_info(qwen3_path)["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
+    assert build_info(qwen3_path)["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
 
 
 def test_qwen3_qk_norms_are_refused_as_lora_targets(qwen3_path: Path):
@@ -213,4 +218,4 @@ def test_a_cached_model_of_the_other_arch_is_rebuilt(tmp_path: Path):
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2"
     tiny.ensure_tiny_model(path, warmup_steps=0, arch="qwen3")
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3"
-    assert tiny.build_info(path)["arch"] == "qwen3"
+    assert build_info(path)["arch"] == "qwen3"

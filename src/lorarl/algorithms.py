@@ -162,18 +162,6 @@ def token_logprobs(
     return logp, (entropy if with_entropy else None)
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024
-) -> torch.Tensor:
-    """log p(label) per position, float32, from logits [..., V] / temperature and labels of
-    logits' leading shape (token_logprobs over the flattened positions)."""
-    if labels.numel() == 0:
-        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    flat = logits.reshape(1, -1, logits.shape[-1])
-    logp, _ = token_logprobs(flat, labels.reshape(1, -1), temperature, chunk_tokens=chunk_rows)
-    return logp.reshape(labels.shape)
-
-
 def _chunk_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:
     rows = rows.float() / temperature
     return torch.logsumexp(rows, dim=-1) - (torch.softmax(rows, dim=-1) * rows).sum(-1)

@@ -230,10 +230,6 @@ def describe(key: str) -> Metric | None:
     return None
 
 
-def undescribed(keys) -> list[str]:
-    return sorted({k for k in keys if describe(k) is None})
-
-
 def markdown() -> str:
     lines = [
         "# Metrics",

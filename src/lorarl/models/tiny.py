@@ -105,11 +105,6 @@ def ensure_tiny_model(
     return path
 
 
-def build_info(path: str | Path) -> dict:
-    """What the builder recorded (recipe, warm-up loss and greedy accuracy, seconds)."""
-    return json.loads((Path(path) / MARKER).read_text())
-
-
 def ensure_built(builder: str, path: str | Path, seed: int = 0) -> Path:
     """Build the embedded model `model.builder` names at `path` unless it is there already."""
     return ensure_tiny_model(path, seed=seed, arch=ARCHS[builder])
