@@ -68,24 +68,6 @@ CHECKED_WEIGHTS = (
 # ---------------------------------------------------------------------------------------------
 
 
-def lora_shards(engine) -> dict[str, list[torch.Tensor]]:
-    """{Megatron LoRA parameter name: its TP shards in rank order} (collective over TP), to
-    cross-check the bridge's adapter export against names.megatron_lora_to_peft."""
-    import torch.distributed as dist
-
-    group = engine.ps.get_tensor_model_parallel_group()
-    out: dict[str, list[torch.Tensor]] = {}
-    for chunk in engine.model:
-        for name, p in chunk.named_parameters():
-            if ".adapter." not in name:
-                continue
-            local = p.detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(engine.tp)]
-            dist.all_gather(parts, local, group=group)
-            out[name] = parts
-    return out
-
-
 def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
     from lorarl.config import compose
 
@@ -137,6 +119,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     from lorarl.messages import Sampling
     from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
+    from tests.gpu.megatron_workers import lora_shards, save_probe_and_result
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
     out = Path(out_dir)
@@ -238,11 +221,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in merged_subset.items()}, str(out / "merged_subset.safetensors")
         )
-        save_file(
-            {"ids": probe.input_ids, "mask": probe.response_mask, "policy": probe_policy, "reference": probe_reference},
-            str(out / "probe.safetensors"),
-        )
-        (out / "result.json").write_text(json.dumps(result, indent=1, default=float))
+        save_probe_and_result(out, probe, probe_policy, probe_reference, result)
     dist.barrier()
     dist.destroy_process_group()
 

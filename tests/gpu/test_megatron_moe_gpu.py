@@ -71,10 +71,11 @@ def _own_split(engine, hf_config: dict) -> dict[str, torch.Tensor]:
     """Our split of the raw Megatron LoRA parameters (EP=1: local expert index = global)."""
     import re
 
+    from tests.gpu.megatron_workers import lora_shards
     from tests.megatron_moe_reference import expert_lora_to_peft
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
-    shards = engine.lora_shards()
+    shards = lora_shards(engine)
     dense = {k: v for k, v in shards.items() if ".experts." not in k}
     out = megatron_lora_to_peft(dense, AttentionShape.from_hf_config(hf_config))
     pattern = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.adapter\.linear_in")
@@ -98,12 +99,18 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
+    from lorarl.messages import Sampling
+    from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
+    from tests.gpu.megatron_workers import save_probe_and_result
 
     out = Path(out_dir)
     t0 = time.perf_counter()
     run = _run_config(hf_dir, ep, dtype)
     engine = MegatronEngine(run, seed=run.trainer.seed)
+    temp = run.rollout.temperature
+    sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
+    correction = Correction.of(run.algorithm.rollout_correction, "cuda")
     rank = dist.get_rank()
     result: dict = {"ep": ep, "dtype": dtype, "layers": LAYERS, "experts": EXPERTS, "build_s": time.perf_counter() - t0}
     g = torch.Generator().manual_seed(123)
@@ -112,19 +119,22 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     batch = build_batch(prompts, responses, pad_id=0, advantages=[1.0 if i % 2 else -1.0 for i in range(N_SEQ)])
     mask = batch.response_mask.bool()
     result["initial_policy_vs_reference_max"] = float(
-        (engine.log_probs(batch) - engine.log_probs(batch, reference=True)).abs()[mask].max()
+        (engine.log_probs(batch, temperature=temp) - engine.log_probs(batch, temperature=temp, reference=True))
+        .abs()[mask]
+        .max()
     )
     metrics = []
     for step in range(3):
-        batch.old_logp = engine.log_probs(batch)
-        batch.ref_logp = engine.log_probs(batch, reference=True)
+        batch.old_logp = engine.log_probs(batch, temperature=temp)
+        batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = engine.update(batch, step)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics
     probe = build_batch([list(range(100, 130))], [list(range(500, 534))], pad_id=0)
-    probe_policy, probe_reference = engine.log_probs(probe), engine.log_probs(probe, reference=True)
+    probe_policy = engine.log_probs(probe, temperature=temp)
+    probe_reference = engine.log_probs(probe, temperature=temp, reference=True)
 
     t = time.perf_counter()
     try:
@@ -156,11 +166,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
             save_file(
                 {k: v.detach().cpu().contiguous() for k, v in merged.items()}, str(out / "merged_layer0.safetensors")
             )
-        save_file(
-            {"ids": probe.input_ids, "mask": probe.response_mask, "policy": probe_policy, "reference": probe_reference},
-            str(out / "probe.safetensors"),
-        )
-        (out / "result.json").write_text(json.dumps(result, indent=1, default=float))
+        save_probe_and_result(out, probe, probe_policy, probe_reference, result)
     dist.barrier()
     dist.destroy_process_group()
 
