@@ -11,25 +11,14 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+# A sibling script (torchrun puts this folder first on sys.path).
+from fsdp_engine_check import log_probs_at_temperature, update
 from torch._dynamo.utils import counters
 
 from lorarl.batch import build_batch
 from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine
-
-
-def _update(engine, batch, step: int) -> dict:
-    """The worker's update call (lorarl.ppo.ppo_update with the run's sampling facts)."""
-    from lorarl.ppo import Correction, ppo_update
-    from lorarl.trainer import sampling_of
-
-    run = engine.run
-    correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
-
-
-def _log_probs(engine, batch, **kw):
-    return engine.log_probs(batch, temperature=engine.run.rollout.temperature, **kw)
 
 
 def passes(model: str, compiled: bool) -> list[torch.Tensor]:
@@ -59,11 +48,11 @@ def passes(model: str, compiled: bool) -> list[torch.Tensor]:
     batch = build_batch(
         prompts, responses, engine.pad_token_id, torch.randn(16, generator=gen).tolist(), engine.left_pad_prompts
     )
-    batch.ref_logp = _log_probs(engine, batch, reference=True)
-    before = _log_probs(engine, batch)
-    first = _update(engine, batch, 1)
-    second = _update(engine, batch, 2)
-    after = _log_probs(engine, batch)
+    batch.ref_logp = log_probs_at_temperature(engine, batch, reference=True)
+    before = log_probs_at_temperature(engine, batch)
+    first = update(engine, batch, 1)
+    second = update(engine, batch, 2)
+    after = log_probs_at_temperature(engine, batch)
     losses = torch.tensor([first["actor/pg_loss"], second["actor/kl_loss"], second["actor/grad_norm"]])
     return [batch.ref_logp, before, losses, after]
 

@@ -27,7 +27,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
-def _update(engine, batch, step: int) -> dict:
+def update(engine, batch, step: int) -> dict:
     """The worker's update call (lorarl.ppo.ppo_update with the run's sampling facts)."""
     from lorarl.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
@@ -37,7 +37,7 @@ def _update(engine, batch, step: int) -> dict:
     return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
 
 
-def _log_probs(engine, batch, **kw):
+def log_probs_at_temperature(engine, batch, **kw):
     return engine.log_probs(batch, temperature=engine.run.rollout.temperature, **kw)
 
 
@@ -94,13 +94,13 @@ def main(model_path: str, out: str) -> None:
     adapter_config = engine.adapter_config()
 
     batch = build_batch(PROMPTS, RESPONSES, pad_id=0, advantages=[1.0, -1.0])
-    policy = _log_probs(engine, batch)
-    reference = _log_probs(engine, batch, reference=True)
+    policy = log_probs_at_temperature(engine, batch)
+    reference = log_probs_at_temperature(engine, batch, reference=True)
     # The layout the engine trains on: prompts right-aligned, responses from one column.
     left = build_batch(PROMPTS, RESPONSES, pad_id=0, left_pad_prompts=True)
-    policy_left = _log_probs(engine, left)
+    policy_left = log_probs_at_temperature(engine, left)
     batch.old_logp, batch.ref_logp = policy, reference
-    metrics = _update(engine, batch, 1)
+    metrics = update(engine, batch, 1)
     after, _ = engine.export(PayloadKind.ADAPTER)
     after = dict(after.tensors)
 
@@ -110,12 +110,12 @@ def main(model_path: str, out: str) -> None:
     # updates, as in every step with a KL loss.
     padded_engine = FSDPEngine(make_run(model_path, world, micro=2, reshard=False), torch.device("cpu"))
     randomize_lora(padded_engine)
-    policy_padded = _log_probs(padded_engine, left)
-    left.old_logp, left.ref_logp = policy_padded, _log_probs(padded_engine, left, reference=True)
+    policy_padded = log_probs_at_temperature(padded_engine, left)
+    left.old_logp, left.ref_logp = policy_padded, log_probs_at_temperature(padded_engine, left, reference=True)
     left.advantages = batch.advantages
-    metrics_padded = _update(padded_engine, left, 1)
-    _log_probs(padded_engine, left, reference=True)
-    metrics_padded_again = _update(padded_engine, left, 2)
+    metrics_padded = update(padded_engine, left, 1)
+    log_probs_at_temperature(padded_engine, left, reference=True)
+    metrics_padded_again = update(padded_engine, left, 2)
 
     merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
     randomize_lora(merged_engine)
