@@ -1,9 +1,9 @@
 """The weight exports of Megatron-Bridge's `AutoBridge`, one method per payload kind.
 
-`AutoBridge` has `export_hf_weights` / `export_adapter_weights`, not mbridge's similarly
-shaped `export_weights`; the adapter names the exact methods it calls (`REQUIRED_METHODS`, checked against the real class's source in the tests) and checks
-them when it is built, so a wrong bridge object fails at start-up with the bridge's name, not
-mid-run with an AttributeError.
+`AutoBridge` has `export_hf_weights` / `export_adapter_weights`, not mbridge's similarly shaped
+`export_weights`; the adapter names the exact methods it calls (`REQUIRED_METHODS`, checked
+against the real class's source in the tests) and checks them when it is built, so a wrong
+bridge object fails at start-up with the bridge's name, not mid-run with an AttributeError.
 
 Method names and keyword arguments are those of megatron-bridge 0.6.2
 (`megatron/bridge/models/conversion/auto_bridge.py`). Export tensors are collective over the
@@ -48,8 +48,6 @@ def _check_methods(obj: Any) -> None:
 
 class MegatronBridgeAdapter:
     """Megatron-Bridge `AutoBridge`: base and adapter exports are separate native calls."""
-
-    name = "megatron_bridge"
 
     def __init__(self, auto_bridge: Any, cpu: bool = False) -> None:
         _check_methods(auto_bridge)
