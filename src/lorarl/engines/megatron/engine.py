@@ -400,7 +400,7 @@ class MegatronEngine:
 
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
-            tensors = {k: v if dtype is None else v.to(dtype) for k, v in self._adapter_tensors()}
+            tensors = {k: v if dtype is None else v.to(dtype) for k, v in self._adapter_tensors().items()}
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         if kind is PayloadKind.BASE:
             stream = self.bridge.export_merged(self.model) if self.lora.merge else self.bridge.export_base(self.model)
@@ -410,7 +410,7 @@ class MegatronEngine:
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter
         folder would load as the untrained base model."""
-        return {k: v.cpu() for k, v in self._adapter_tensors()}
+        return {k: v.cpu() for k, v in self._adapter_tensors().items()}
 
     def _adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The bridge's adapter export, completed over the expert-parallel group (MoE, EP > 1)."""
