@@ -116,9 +116,9 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.messages import Sampling
     from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
+    from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import lora_shards, save_probe_and_result
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft
 
@@ -127,7 +127,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     run = _run_config(hf_dir, tp, pp, dtype, variant)
     engine = MegatronEngine(run, seed=run.trainer.seed)
     temp = run.rollout.temperature
-    sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
+    sampling = sampling_of(run)
     correction = Correction.of(run.algorithm.rollout_correction, "cuda")
     rank = dist.get_rank()
     result: dict = {

@@ -99,9 +99,9 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
 
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.messages import Sampling
     from lorarl.ppo import Correction, ppo_update
     from lorarl.sync import PayloadKind
+    from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import save_probe_and_result
 
     out = Path(out_dir)
@@ -109,7 +109,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     run = _run_config(hf_dir, ep, dtype)
     engine = MegatronEngine(run, seed=run.trainer.seed)
     temp = run.rollout.temperature
-    sampling = Sampling(run.rollout.n, temp, run.data.max_response_length, run.trainer.seed)
+    sampling = sampling_of(run)
     correction = Correction.of(run.algorithm.rollout_correction, "cuda")
     rank = dist.get_rank()
     result: dict = {"ep": ep, "dtype": dtype, "layers": LAYERS, "experts": EXPERTS, "build_s": time.perf_counter() - t0}
