@@ -93,10 +93,11 @@ def test_concurrent_builders_share_one_result(tmp_path: Path):
     path = tmp_path / "shared"
     script = textwrap.dedent(
         f"""
+        import json
         from pathlib import Path
         from lorarl.models.tiny import MARKER, ensure_tiny_model
         p = ensure_tiny_model({str(path)!r}, seed=3, warmup_steps=0)
-        print((Path(p) / MARKER).read_text().replace("\\n", " "))
+        print(json.dumps(json.loads((Path(p) / MARKER).read_text())))
         """
     )
     procs = [
