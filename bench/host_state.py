@@ -3,7 +3,11 @@
 
 Two runs of one command in one lease differed by 20% (7B step 4.66 vs 5.59 s); these records
 are what tells a slower GPU (clocks, temperature, power cap) from a busier host (load, memory)
-or the run before still leaving (GPU memory in use at the start).
+or the run before still leaving (GPU memory in use at the start). Across leases the host itself
+differs: the 7B update issues ~27k kernels, and its host time per launch (aten dispatch,
+autograd, PEFT's Python) is what bounds it on a slow host (2026-12-04: the same kernels, 2.46
+against 2.43 s of GPU time, took 3.2-3.4 s against 2.75 s, with every op's CPU time ~20% higher),
+so every reading also times a fixed pure-Python loop (`python_loop_us`) and names the CPU.
 """
 
 from __future__ import annotations
@@ -114,12 +118,44 @@ def mem_available_gib() -> float | None:
     return None
 
 
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def python_loop_us(iterations: int = 100_000, repeats: int = 3) -> float:
+    """Microseconds per iteration of a fixed pure-Python loop (a call, an attribute read, a dict
+    write), the best of `repeats`: one core's speed for the interpreted work that launches
+    kernels (nn.Module calls, PEFT's LoRA forward, vLLM's per-step scheduling). ~0.1 s."""
+
+    class Box:
+        value = 1
+
+    def touch(box: Box, store: dict, i: int) -> None:
+        store[i & 1023] = box.value + i
+
+    box, store, best = Box(), {}, float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(iterations):
+            touch(box, store, i)
+        best = min(best, time.perf_counter() - t0)
+    return best / iterations * 1e6
+
+
 def host_state() -> dict:
     """The host and GPU right now: what is recorded before and after every run."""
     return {
         "time": time.strftime("%H:%M:%S"),
         "loadavg_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "python_loop_us": python_loop_us(),
         "mem_available_gib": mem_available_gib(),
         "gpu": gpu_state(),
         "slowdown_us": nvidia_smi(SLOWDOWN_COUNTERS),

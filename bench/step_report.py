@@ -36,8 +36,8 @@ def pair_lines(entries: list[dict]) -> list[str]:
 def variance_lines(entries: list[dict]) -> list[str]:
     lines = [
         "| pair | side | spread | run | step s | update s | gen s | SM MHz median (min) | temp max C | power W | "
-        "clocks slowed s | CPU busy | load before | GPU MiB before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "clocks slowed s | CPU busy | load before | host loop us before | GPU MiB before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         for side, v in e["variance"].items():
@@ -52,7 +52,8 @@ def variance_lines(entries: list[dict]) -> list[str]:
                     f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
                     f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "
                     f"{fmt(f['clocks_slowed_s'])} | "
-                    f"{fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | {fmt(f['gpu_mib_before'], 0)} |"
+                    f"{fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | {fmt(f.get('python_loop_us_before'), 3)} | "
+                    f"{fmt(f['gpu_mib_before'], 0)} |"
                 )
     return lines
 
@@ -68,7 +69,7 @@ def _machine(row: dict) -> str:
     return (
         f"{stat('clocks.sm', 'median')} ({stat('clocks.sm', 'min')}) | {stat('temperature.gpu', 'max')} | "
         f"{stat('power.draw', 'median')} | {fmt(gpu.get('memory.used'), 0)} | {fmt(before.get('loadavg_1m'))} | "
-        f"{stat('cpu_busy', 'median', 2)} |"
+        f"{fmt(before.get('python_loop_us'), 3)} | {stat('cpu_busy', 'median', 2)} |"
     )
 
 
@@ -76,8 +77,8 @@ def run_lines(rows: list[dict]) -> list[str]:
     lines = [
         "| # | run | correction | step s | steps s | gen | logp | update | sync | sleep+wake | other | tokens/step | "
         "MFU update (4N / 6N) | SM MHz median (min) | temp max C | power median W | GPU MiB before | "
-        "load 1m before | CPU busy median | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "load 1m before | host loop us before | CPU busy median | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0)):
         b = row.get("breakdown") or {}

@@ -188,6 +188,7 @@ def facts(row: dict) -> dict:
         "power_w": mid("power.draw"),
         "cpu_busy": mid("cpu_busy"),
         "loadavg_before": before.get("loadavg_1m"),
+        "python_loop_us_before": before.get("python_loop_us"),
         "gpu_mib_before": gpu.get("memory.used"),
         "clock_reasons_before": gpu.get("clock_reasons"),
         # Seconds the driver held the clocks down during the run (power cap, thermal, ...), summed.
