@@ -222,6 +222,7 @@ def test_the_sampler_records_the_host_during_a_run():
     assert slowdown_s({"slowdown_us": None}, after) is None  # no nvidia-smi: nothing to difference
     state = host_state()
     assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
+    assert 0 < state["python_loop_us"] < 100 and state["cpu_model"]
     assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
 
 

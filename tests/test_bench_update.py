@@ -46,3 +46,11 @@ def test_logprob_passes_checks_both_paths_agree(tmp_path):
     assert check["grad_max_abs_diff"] <= 2**-8 * check["grad_max_abs"]  # bf16 rounding of the same gradient
     assert len(result["samples_s"]["composed"]) == len(result["samples_s"]["token_logprobs"]) == 2
     assert out.with_suffix(".md").is_file()
+
+
+def test_lora_linear_bench_checks_peft_and_fused_agree(tmp_path):
+    out = tmp_path / "ll.json"
+    run([sys.executable, "-m", "bench.lora_linear", "--layers", "3", "--repeats", "2", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["check"]["output_max_abs_diff"] < 1e-5 and result["check"]["grad_max_rel_diff"] < 1e-5
+    assert result["seconds_per_linear"]["fused"]["median"] > 0 and out.with_suffix(".md").is_file()

@@ -172,8 +172,9 @@ def test_reference_pass_first_keeps_float32_lora_gradients(tiny_model_path):
     torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_mixed_precision_check.py")
 
 
-def test_compiled_layers_compute_what_eager_layers_do(tiny_model_path):
-    """backend.compile=true (torch.compile per decoder layer, before FSDP) against the eager
-    engine: reference pass, two updates and the log-probs after them, on micro-batches of
-    different shapes, with no graph break."""
-    torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_compile_check.py")
+def test_compiled_and_fused_lora_engines_compute_what_the_plain_engine_does(tiny_model_path):
+    """backend.compile=true (torch.compile per decoder layer, before FSDP) and
+    backend.fused_lora=true (every LoRA linear one autograd node) against the plain engine:
+    reference pass, two updates and the log-probs after them, on micro-batches of different
+    shapes; no graph break, and every LoRA linear of a training forward fused."""
+    torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_variants_check.py")

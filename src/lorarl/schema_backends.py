@@ -30,6 +30,9 @@ class FSDPBackendConfig:
     # layer; fewer, fused kernels and less host work per layer). Off: at 7B on one H200 it did
     # not speed the update (bench/results/update_profile_2026-12-02c).
     compile: bool = MISSING
+    # Each PEFT LoRA linear as one autograd node with the scale inside its GEMMs
+    # (lorarl.engines.lora_linear): fewer kernels and less host work per layer, the same math.
+    fused_lora: bool = MISSING
 
     def model_parallel_size(self) -> int:
         """Devices that hold one model replica (and see the same data)."""

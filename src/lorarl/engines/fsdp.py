@@ -35,6 +35,7 @@ from lorarl.engines.base import (
 )
 from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
+from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync import PayloadKind, WeightPayload
@@ -87,6 +88,8 @@ def load_lora_model(run: RunConfig, device: torch.device):
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if run.backend.fused_lora:
+        fuse_lora_linears(peft_model)
     return peft_model
 
 

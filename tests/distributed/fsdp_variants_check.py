@@ -1,8 +1,10 @@
-"""Under torchrun (gloo, one rank): the FSDP engine with `backend.compile=true` computes what the
-eager engine computes, reference pass, update and the log-probs after it, with no graph break
-and within torch.compile's recompile limit (a layer past it would silently run eagerly).
+"""Under torchrun (gloo, one rank): the FSDP engine with `backend.compile=true`, and with
+`backend.fused_lora=true`, computes what the plain engine computes: reference pass, two updates
+and the log-probs after them, on micro-batches of different shapes. The compiled engine with no
+graph break and within torch.compile's recompile limit (a layer past it would silently run
+eagerly); the fused one with every LoRA linear of a training forward computed by LoRALinear.
 
-    torchrun --standalone --nproc_per_node=1 tests/distributed/fsdp_compile_check.py MODEL_DIR
+    torchrun --standalone --nproc_per_node=1 tests/distributed/fsdp_variants_check.py MODEL_DIR
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 # A sibling script (torchrun puts this folder first on sys.path).
 from fsdp_engine_check import log_probs_at_temperature, update
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch._dynamo.utils import counters
 
 from lorarl.batch import build_batch
@@ -21,12 +24,25 @@ from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine
 
 
-def passes(model: str, compiled: bool) -> list[torch.Tensor]:
+def graph_nodes(root: torch.Tensor, name: str) -> int:
+    """How many autograd nodes called `name` the graph behind `root` holds."""
+    seen, stack, found = set(), [root.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += type(node).__name__ == name
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return found
+
+
+def passes(model: str, variant: str | None = None) -> list[torch.Tensor]:
     run = compose(
         [
             "+backend=fsdp",
             f"model.path={model}",
-            f"backend.compile={str(compiled).lower()}",
+            *([f"backend.{variant}=true"] if variant else []),
             "trainer.device=cpu",
             "actor.use_kl_loss=true",
             "data.train_batch_size=4",
@@ -35,7 +51,7 @@ def passes(model: str, compiled: bool) -> list[torch.Tensor]:
             "actor.ppo_micro_batch_size_per_gpu=8",
         ]
     )
-    torch.manual_seed(0)  # the same LoRA initialisation in both engines
+    torch.manual_seed(0)  # the same LoRA initialisation in every engine
     engine = FSDPEngine(run, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     # Rows of different prompt and response lengths: micro-batches of different shapes.
@@ -48,6 +64,10 @@ def passes(model: str, compiled: bool) -> list[torch.Tensor]:
     batch = build_batch(
         prompts, responses, engine.pad_token_id, torch.randn(16, generator=gen).tolist(), engine.left_pad_prompts
     )
+    if variant == "fused_lora":
+        linears = sum(type(m) is PeftLoraLinear for m in engine.model.modules())
+        logits = engine.model(input_ids=batch.input_ids[:2], use_cache=False).logits
+        assert linears > 0 and graph_nodes(logits, "LoRALinearBackward") == linears, linears
     batch.ref_logp = log_probs_at_temperature(engine, batch, reference=True)
     before = log_probs_at_temperature(engine, batch)
     first = update(engine, batch, 1)
@@ -59,16 +79,17 @@ def passes(model: str, compiled: bool) -> list[torch.Tensor]:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    eager = passes(sys.argv[1], compiled=False)
-    compiled = passes(sys.argv[1], compiled=True)
-    for name, a, b in zip(
-        ("reference", "policy", "update metrics", "policy after update"), eager, compiled, strict=True
-    ):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    plain = passes(sys.argv[1])
+    for variant in ("fused_lora", "compile"):
+        for name, a, b in zip(
+            ("reference", "policy", "update metrics", "policy after update"), plain, passes(sys.argv[1], variant),
+            strict=True,
+        ):  # fmt: skip
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m, n=name, v=variant: f"{v} {n}: {m}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     graphs = counters["stats"]["unique_graphs"]
     assert 0 < graphs <= torch._dynamo.config.recompile_limit, graphs
-    print(f"compiled and eager agree; {graphs} compiled graphs")
+    print(f"fused LoRA, compiled and plain engines agree; {graphs} compiled graphs")
     dist.destroy_process_group()
 
 
