@@ -118,6 +118,8 @@ def lorarl_extras(rows: list[dict]) -> dict:
         "sync_bytes": rows[-1].get("sync/bytes") if rows else None,
         "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
         "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        # The caching allocator freeing its cache to retry an allocation (a device-wide wait) in the update.
+        "update_alloc_retries": [r.get("memory/alloc_retries") for r in rows],
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
         "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
         "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],

@@ -85,6 +85,9 @@ def run_lines(rows: list[dict]) -> list[str]:
         m4, m6 = row.get("mfu_update"), row.get("mfu_update_hw")
         mfu = "-" if m4 is None else f"{m4:.1%} / {m6:.1%}"
         note = row["error"].splitlines()[0][:80] if row.get("error") else ""
+        retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
+        if retries:
+            note = f"{note} allocator retries in the update: {retries:.0f}".strip()
         steps = " ".join(f"{s:.1f}" for s in row.get("steps_s") or [])
         phases = " | ".join(fmt(b.get(k)) for k in ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s"))
         lines.append(

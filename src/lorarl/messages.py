@@ -124,6 +124,7 @@ class UpdateReport:
     ref_logp_seconds: float | None = None
     max_allocated_gib: float | None = None
     update_peak_gib: float | None = None
+    alloc_retries: float | None = None
     extra: dict[str, float] = field(default_factory=dict)  # rollout_corr/*, a loss's other actor/* keys
 
     @classmethod
@@ -149,6 +150,7 @@ class UpdateReport:
         out["actor/lr"] = self.lr
         _put(out, "memory/max_allocated_gib", self.max_allocated_gib)
         _put(out, "memory/update_peak_gib", self.update_peak_gib)
+        _put(out, "memory/alloc_retries", self.alloc_retries)
         out["timing/sleep"] = self.sleep_seconds
         out["rollout/sleeps"] = float(self.slept)
         _put(out, "timing/old_logp", self.old_logp_seconds)

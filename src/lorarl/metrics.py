@@ -144,6 +144,12 @@ METRICS: tuple[Metric, ...] = (
     M("memory/max_allocated_gib", "peak device memory of the worker so far (GPU)", "GiB", "worker"),
     M("memory/update_peak_gib", "device memory the update added above what it started with (GPU)", "GiB", "worker"),
     M(
+        "memory/alloc_retries",
+        "times the update's allocations found no cached block and freed the cache to retry, each a device-wide wait (GPU)",
+        "count",
+        "worker",
+    ),
+    M(
         "rollout/sleeps",
         "1 when vLLM slept during this step's update (the sleep plan), 0 when it stayed awake",
         "0/1",

@@ -165,6 +165,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
+            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         batch = build_batch(
             request.prompt_ids,
             request.response_ids,
@@ -190,6 +191,7 @@ class Worker:
             self.sleep.record_update(highest - before, int(report.micro_batch_tokens_max))
             report.max_allocated_gib = highest / 2**30
             report.update_peak_gib = (highest - before) / 2**30
+            report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)
         return report
 
     def sync(self, request: SyncRequest) -> SyncReport:

@@ -1,15 +1,16 @@
 """PEFT's LoRA linear as one autograd node: y = x W^T + b + s (x A^T) B^T, W and b frozen.
 
 PEFT computes the base layer, then `lora_B(lora_A(dropout(x))) * scaling`, then the sum: five
-kernels and five autograd nodes forward, launched from Python through three module calls. On one
-GPU the 7B update is bound by the host's time per launch (~46k launches per update for 2.4 s of
-kernels; bench/results/update_profile_2026-12-04), so `backend.fused_lora=true` swaps each LoRA
-linear's forward for `LoRALinear`: three matmuls forward (the scale folded into the last one's
-alpha), five backward (the scales again inside the GEMMs), no gradient for the frozen base:
-eight kernels and one autograd node where PEFT launches twelve kernels from five nodes. The same
+kernels and thirteen autograd nodes (views and transposes included) for a [rows, seq, width]
+input, launched from Python through three module calls. On one GPU the 7B update is bound by
+the host's time per launch (~46k launches per update for 2.4 s of kernels;
+bench/results/update_profile_2026-12-04), so `backend.fused_lora=true` swaps each LoRA linear's
+forward for `LoRALinear`: three matmuls forward (the scale folded into the last one's alpha),
+five backward (the scales again inside the GEMMs), no gradient for the frozen base: eight
+kernels and one autograd node where PEFT launches twelve kernels from thirteen nodes. The same
 math as PEFT; it runs only where PEFT's forward would do exactly this (adapter enabled and not
-merged, one active vanilla-LoRA adapter, no dropout, one dtype, no autocast) and calls PEFT's own
-forward otherwise (the reference pass under `disable_adapter`, DoRA, ...).
+merged, one active vanilla-LoRA adapter, no dropout, one dtype, no autocast, a frozen bias) and
+calls PEFT's own forward otherwise (the reference pass under `disable_adapter`, DoRA, ...).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def _fusable(layer, x: torch.Tensor) -> str | None:
         return None
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or b.bias is not None or base.weight.requires_grad:
+        return None
+    if base.bias is not None and base.bias.requires_grad:  # LoraConfig(bias="all"): PEFT trains it
         return None
     if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype) or torch.is_autocast_enabled():
         return None
