@@ -4,7 +4,7 @@
 Two runs of one command in one lease differed by 20% (7B step 4.66 vs 5.59 s); these records
 are what tells a slower GPU (clocks, temperature, power cap) from a busier host (load, memory)
 or the run before still leaving (GPU memory in use at the start). Across leases the host itself
-differs: the 7B update issues ~27k kernels, and its host time per launch (aten dispatch,
+differs: the 7B update launches ~46k kernels, and its host time per launch (aten dispatch,
 autograd, PEFT's Python) is what bounds it on a slow host (2026-12-04: the same kernels, 2.46
 against 2.43 s of GPU time, took 3.2-3.4 s against 2.75 s, with every op's CPU time ~20% higher),
 so every reading also times a fixed pure-Python loop (`python_loop_us`) and names the CPU.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import environment, write_json
+from bench.common import environment, perturb_lora, write_json
 from lorarl.engines.lora_linear import fuse_lora_linears
 
 
@@ -37,9 +37,7 @@ def stacks(width: int, layers: int, rank: int, dtype: torch.dtype, device: str):
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[str(i) for i in range(layers)]))
-    for name, p in peft.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)  # B starts at zero: give the check a real adapter
+    perturb_lora(peft, seed=0)  # B starts at zero: give the check a real adapter
     peft = peft.to(device=device, dtype=dtype)
     fused = copy.deepcopy(peft)
     assert fuse_lora_linears(fused) == layers
