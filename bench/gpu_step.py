@@ -260,7 +260,7 @@ class Bench:
         if run.arm.system == "lorarl":
             res = run_lorarl(run, overrides, self.cache, self.tmp, args.run_timeout, log, work.steps)
             steps = lorarl_steps(res["rows"], row["prompt_tokens_per_step"], work.prompts * work.n)
-            row.update(step_row(steps, row["n_params"]), **lorarl_extras(res["rows"]))
+            row.update(step_row(steps, row["n_params"]), **lorarl_extras(res["rows"]), startup_s=res["startup"])
         else:
             from lorarl.data.dataset import write_parquet
 

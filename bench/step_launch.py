@@ -103,7 +103,11 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
     rows = [json.loads(line) for line in lines if '"timing/step"' in line]
+    # Step 0's row: where the start-up went (init/timing/*).
+    init = next((json.loads(line) for line in lines if '"init/timing/' in line), {})
+    startup = {k.removeprefix("init/timing/"): v for k, v in init.items() if k.startswith("init/timing/")}
     out = {"command": shlex.join(["python", *cmd[1:]]), "exit_code": code, "rows": rows, "log": text}
+    out["startup"] = startup
     if code != 0 or len(rows) < steps:
         why = "timed out" if code is None else f"exit {code}"
         out["error"] = f"{why} after {len(rows)} steps; log tail:\n{tail(text)}"

@@ -97,6 +97,21 @@ def run_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def startup_lines(rows: list[dict]) -> list[str]:
+    """Each run's wall time and, for lorarl, where its start-up went (the trainer's init/timing/*)."""
+    lines = [
+        "| run | wall s | model build s | Ray s | workers placed s | vLLM start s | training engine s | TRL init s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0)):
+        up = row.get("startup_s") or {}
+        cells = [row.get("wall_s"), row.get("model_build_s")]
+        cells += [up.get(k) for k in ("ray_init", "workers_start", "rollout_start", "engine_build")]
+        cells.append(row.get("init_s"))
+        lines.append(f"| {row['run']} | " + " | ".join(fmt(c, 1) for c in cells) + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"# GPU step: lorarl vs TRL GRPOTrainer at equal algorithm ({result['date']})",
@@ -121,6 +136,10 @@ def markdown(result: dict) -> str:
         "and load average are read just before it.",
         "",
         *run_lines(result["step_compare"]),
+        "",
+        "## Start-up",
+        "",
+        *startup_lines(result["step_compare"]),
     ]
     if result.get("skipped"):
         lines += ["", f"Not started (the --budget-s would have run out): {', '.join(result['skipped'])}"]

@@ -140,6 +140,9 @@ def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
     assert b["logp_s"] == 0.0 and b["update_s"] > 0  # on-policy, no KL: the correction needs no extra pass
     assert 0 < row["mfu_update"] < row["mfu_update_hw"]
     assert "recipes.grpo +backend=fsdp" in row["command"]
+    # Where the run's start-up went, from the trainer's step-0 metrics.
+    assert set(row["startup_s"]) >= {"ray_init", "rollout_start", "engine_build"}
+    assert 0 < row["startup_s"]["rollout_start"] < row["startup_s"]["worker_setup"] < row["wall_s"]
     assert (
         "actor.use_kl_loss=false" in row["command"]
         and "algorithm.rollout_correction.rollout_is=token" in row["command"]
@@ -150,7 +153,7 @@ def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
     assert "error" not in row
     (pair,) = result["pairs"]  # lorarl alone: the pair is there, with no TRL side
     assert (pair["correction"], pair["repeats"], pair["trl_step_s"]) == ("token_tis", [1], None)
-    assert (tmp_path / "smoke.md").read_text().count(name) >= 2
+    assert (tmp_path / "smoke.md").read_text().count(name) >= 3  # pairs, runs, start-up
 
 
 def _metrics(step: int, step_s: float, update_s: float) -> dict:

@@ -67,6 +67,18 @@ class UpdateRequest:
 
 
 @dataclass(frozen=True)
+class WorkerSetup:
+    """A worker after setup: its data-parallel place, whether its rollout sleeps during the
+    update (a line for the log), and how long its two start-up stages took."""
+
+    dp_rank: int
+    dp_size: int
+    sleep_plan: str
+    rollout_start_seconds: float  # the vLLM engine: weights, compile, KV cache, CUDA graphs
+    engine_build_seconds: float  # the training engine: model, LoRA, sharding, optimizer
+
+
+@dataclass(frozen=True)
 class SyncRequest:
     """Bring every rollout up to date after the update of `step` (0: before training starts)."""
 

@@ -214,6 +214,21 @@ METRICS: tuple[Metric, ...] = (
     # Logged once, at step 0.
     M("init/num_nodes", "nodes the workers run on", "count", "driver"),
     M("init/worker_node_ids", "Ray node id of each worker, comma separated", "text", "driver"),
+    M("init/timing/ray_init", "starting Ray (or joining a cluster)", "s", "driver"),
+    M("init/timing/workers_start", "placing the workers and starting their processes", "s", "driver"),
+    M(
+        "init/timing/worker_setup",
+        "the workers' setup: process group, vLLM engine, training engine (the slowest worker)",
+        "s",
+        "driver",
+    ),
+    M(
+        "init/timing/rollout_start",
+        "starting vLLM: weights, compile, KV cache, CUDA graphs (slowest worker)",
+        "s",
+        "worker",
+    ),
+    M("init/timing/engine_build", "building the training engine: model, LoRA, sharding, optimizer", "s", "worker"),
 )
 
 

@@ -176,10 +176,17 @@ class GRPOTrainer:
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False))
-        self.tracker.log({**placement, **{f"init/{k}": v for k, v in first_sync.metrics().items()}}, step=0)
+        startup = self.workers.startup
+        self.tracker.log(
+            {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}, step=0
+        )
         say(
             f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
+        )
+        say(
+            f"start-up: Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
+            f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
         if tc.val_before_train and self.val_items:
             self.tracker.log(self.validate(), step=0)

@@ -24,7 +24,15 @@ from lorarl.checkpoint import load_engine_state, save_engine_state
 from lorarl.config import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
-from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
+from lorarl.messages import (
+    GenerateRequest,
+    Rollouts,
+    SyncReport,
+    SyncRequest,
+    UpdateReport,
+    UpdateRequest,
+    WorkerSetup,
+)
 from lorarl.peft_io import save_peft_adapter
 from lorarl.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.rollout_sleep import RolloutSleep, can_sleep
@@ -71,9 +79,8 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> tuple[int, int, str]:
-        """Process group, rollout, then engine. Returns this worker's (dp_rank, dp_size) and
-        whether its rollout sleeps during the update, as a line for the log."""
+    def setup(self, master_addr: str, master_port: int) -> WorkerSetup:
+        """Process group, rollout, then engine."""
         from lorarl.rollout.vllm import VLLMRollout
 
         tp = self.run.rollout.tensor_model_parallel_size
@@ -101,6 +108,7 @@ class Worker:
         seed_everything(self.run.trainer.seed + self.rank)
         r, m = self.run.rollout, self.run.model
         # vLLM first: on a GPU it sizes its KV cache from the memory still free.
+        t0 = time.perf_counter()
         self.rollout = VLLMRollout(
             m.path,
             lora_rank=None if m.lora.merge else m.lora.rank,
@@ -119,11 +127,13 @@ class Worker:
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
         )
+        t1 = time.perf_counter()
         self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed)
+        t2 = time.perf_counter()
         self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
         self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
         self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
-        return self.dp_rank, self.dp_size, str(self.sleep.plan)
+        return WorkerSetup(self.dp_rank, self.dp_size, str(self.sleep.plan), t1 - t0, t2 - t1)
 
     @property
     def rollout_rank(self) -> int:

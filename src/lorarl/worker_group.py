@@ -65,6 +65,7 @@ class WorkerGroup:
         self.world_size = run.world_size
         self.workers: list = []
         self.pg = None
+        t0 = time.perf_counter()
         started_ray = not ray.is_initialized()
         # ray.init replaces the driver's SIGTERM handler with one that kills Ray's processes
         # and exits at once; a handler the caller installed (recipes/grpo.py turns SIGTERM into
@@ -92,6 +93,8 @@ class WorkerGroup:
         self._owns_ray = started_ray
         self._owns_local_ray = started_ray and not os.environ.get("RAY_ADDRESS")
         self.placement: list[dict] = []
+        # Where the start-up time went, logged once at step 0 (init/timing/*).
+        self.startup: dict[str, float] = {"timing/ray_init": time.perf_counter() - t0}
         try:
             self._start(run, device)
         except BaseException:
@@ -113,6 +116,7 @@ class WorkerGroup:
         # with PACK or SPREAD would let Ray put 3 workers on one node and 1 on another, and ranks
         # of one node would not be consecutive (NCCL's intra-node rings and tensor-parallel groups
         # want them consecutive).
+        t0 = time.perf_counter()
         bundle = {"GPU": per_node, "CPU": per_node} if device == "cuda" else {"CPU": per_node}
         self.pg = placement_group([bundle] * t.nnodes, strategy="STRICT_SPREAD" if t.nnodes > 1 else "STRICT_PACK")
         self._wait_for_placement(t.nnodes, per_node, bundle)
@@ -135,9 +139,19 @@ class WorkerGroup:
         ]
         self.placement = self._get([w.location.remote() for w in self.workers])
         addr, port = self.placement[0]["ip"], self._get([self.workers[0].free_port.remote()])[0]
+        t1 = time.perf_counter()
         setups = self._get([w.setup.remote(addr, port) for w in self.workers])
-        self.dp = [(dp_rank, dp_size) for dp_rank, dp_size, _ in setups]  # per worker
-        self.sleep_plans = [plan for _, _, plan in setups]
+        self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
+        self.sleep_plans = [s.sleep_plan for s in setups]
+        # The slowest worker's stages: the others wait for it at the first collective.
+        self.startup.update(
+            {
+                "timing/workers_start": t1 - t0,
+                "timing/rollout_start": max(s.rollout_start_seconds for s in setups),
+                "timing/engine_build": max(s.engine_build_seconds for s in setups),
+                "timing/worker_setup": time.perf_counter() - t1,
+            }
+        )
         self.dp_size = self.dp[0][1]
         # Rollout replicas are vLLM engines: T consecutive workers share one with tensor
         # parallelism T, get the same prompts and seed, and return the same samples.

@@ -171,9 +171,13 @@ def main() -> None:
     worker = Worker(run, rank, world, args.device)
     # Under torchrun every tcp:// rendezvous is a client of the launcher's store
     # (TORCHELASTIC_USE_AGENT_STORE), so the process group must meet at MASTER_PORT itself.
-    dp_rank, dp_size, _ = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    setup = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    dp_rank, dp_size = setup.dp_rank, setup.dp_size
     setup_s = time.perf_counter() - t0
-    phase(f"worker set up in {setup_s:.1f} s; first sync")
+    phase(
+        f"worker set up in {setup_s:.1f} s (vLLM {setup.rollout_start_seconds:.1f} s, "
+        f"engine {setup.engine_build_seconds:.1f} s); first sync"
+    )
     first = worker.sync(SyncRequest(step=0, last=False))
     phase(f"first sync: {first}")
 
