@@ -99,11 +99,19 @@ class Worker:
                 MASTER_PORT=str(master_port),
             )
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.set_device(self.device)
+        # On CUDA the group is bound to this worker's device, so NCCL connects now and every
+        # group made later (Megatron's, vLLM's) is split from it at once. Left lazy, a group's
+        # first collective connects it mid-update, when PyTorch's cache may hold all the memory
+        # vLLM left: NCCL's own allocation then fails ("Failed to CUDA calloc async 24 bytes").
         dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            device_id=self.device if cuda else None,
         )
         seed_everything(self.run.trainer.seed + self.rank)
         r, m = self.run.rollout, self.run.model

@@ -111,7 +111,8 @@ class MegatronEngine:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             # Ours, explicitly: provide_distributed_model would otherwise create one silently.
-            dist.init_process_group("nccl")
+            # Bound to the device so that NCCL connects every group now (lorarl.worker says why).
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=self.tp,
