@@ -227,12 +227,27 @@ class Sampler:
         }
 
 
+def _copy_timed(stream, out, t0: float) -> None:
+    # Each line as it arrives, after the seconds since the launch: the log is the run's timeline.
+    for line in iter(stream.readline, b""):
+        out.write(f"{time.perf_counter() - t0:7.1f} ".encode() + line)
+        out.flush()
+
+
 def run_logged(cmd: list[str], cwd: Path, env: dict, timeout: int, log: Path) -> tuple[int | None, str]:
-    """Run `cmd` in its own process group with stdout+stderr into `log`; on timeout the whole
-    group gets SIGTERM (lorarl shuts vLLM and Ray down on it), then SIGKILL after 30 s, so no
-    engine is left holding GPU memory for the next run. Returns (exit code or None, log text)."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    """Run `cmd` in its own process group with stdout+stderr into `log`, each line after the
+    seconds since the launch (the child unbuffered, so lines carry the time they were printed);
+    on timeout the whole group gets SIGTERM (lorarl shuts vLLM and Ray down on it), then SIGKILL
+    after 30 s, so no engine is left holding GPU memory for the next run. Returns (exit code or
+    None, log text)."""
+    env = {**env, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        copier = threading.Thread(target=_copy_timed, args=(proc.stdout, out, t0), daemon=True)
+        copier.start()
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -247,4 +262,7 @@ def run_logged(cmd: list[str], cwd: Path, env: dict, timeout: int, log: Path) ->
                     break
                 except subprocess.TimeoutExpired:
                     continue
+        # The pipe closes when the last process holding it exits (Ray's may outlive the driver).
+        copier.join(timeout=30)
+        out.write(f"{time.perf_counter() - t0:7.1f} [exit {code}]\n".encode())
     return code, log.read_text(errors="replace")

@@ -100,14 +100,20 @@ def run_lines(rows: list[dict]) -> list[str]:
 def startup_lines(rows: list[dict]) -> list[str]:
     """Each run's wall time and, for lorarl, where its start-up went (the trainer's init/timing/*)."""
     lines = [
-        "| run | wall s | model build s | Ray s | workers placed s | vLLM start s | training engine s | TRL init s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | wall s | model build s | checks s | Ray s | workers placed s | vLLM start s | training engine s | "
+        "steps s | rest s | TRL init s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0)):
         up = row.get("startup_s") or {}
+        steps = sum(row.get("steps_s") or []) or None
         cells = [row.get("wall_s"), row.get("model_build_s")]
-        cells += [up.get(k) for k in ("ray_init", "workers_start", "rollout_start", "engine_build")]
-        cells.append(row.get("init_s"))
+        cells += [up.get(k) for k in ("prepare", "ray_init", "workers_start", "rollout_start", "engine_build")]
+        # The rest: interpreter and imports, the first sync, the final adapter, plots, shutdown.
+        known = [row.get("model_build_s"), steps, *(up.get(k) for k in ("prepare", "ray_init", "workers_start"))]
+        known.append(up.get("worker_setup"))
+        rest = row["wall_s"] - sum(k for k in known if k) if up and "wall_s" in row else None
+        cells += [steps, rest, row.get("init_s")]
         lines.append(f"| {row['run']} | " + " | ".join(fmt(c, 1) for c in cells) + " |")
     return lines
 

@@ -214,6 +214,12 @@ METRICS: tuple[Metric, ...] = (
     # Logged once, at step 0.
     M("init/num_nodes", "nodes the workers run on", "count", "driver"),
     M("init/worker_node_ids", "Ray node id of each worker, comma separated", "text", "driver"),
+    M(
+        "init/timing/prepare",
+        "the driver's checks before Ray: model, tokenizer, data, rewards, checkpoints",
+        "s",
+        "driver",
+    ),
     M("init/timing/ray_init", "starting Ray (or joining a cluster)", "s", "driver"),
     M("init/timing/workers_start", "placing the workers and starting their processes", "s", "driver"),
     M(

@@ -107,6 +107,7 @@ class GRPOTrainer:
         from lorarl.preflight import check_model, load_tokenizer
         from lorarl.rewards import check_items
 
+        t0 = time.perf_counter()
         self.run = run
         self.out_dir = Path(out_dir)
         self.workers = None
@@ -149,6 +150,7 @@ class GRPOTrainer:
         )
         self.ckpt.clean_partial()
         self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
+        self.prepare_seconds = time.perf_counter() - t0  # model, data and tokenizer checks
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class GRPOTrainer:
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False))
-        startup = self.workers.startup
+        startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
         self.tracker.log(
             {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}, step=0
         )
@@ -185,7 +187,7 @@ class GRPOTrainer:
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
         )
         say(
-            f"start-up: Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
+            f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
             f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
         if tc.val_before_train and self.val_items:
