@@ -179,6 +179,11 @@ def test_rank_above_the_engine_limit_is_refused(rollout, tiny_model_path: Path):
     with pytest.raises(SyncError, match="exceeds the engine's max_lora_rank 8"):
         rollout.apply(adapter_payload(big))
     assert rollout.num_adapters() == before
+    # The engine was built for rank <= 8 and one adapter, and (every request carrying it) with
+    # no CUDA graphs kept apart for adapter-free batches.
+    config = rollout.llm.llm_engine.vllm_config
+    assert (config.lora_config.max_lora_rank, config.lora_config.max_loras) == (8, 1)
+    assert config.compilation_config.cudagraph_specialize_lora is False
 
 
 def test_rejected_adapter_leaves_no_adapter_and_generate_refuses(rollout, peft_model, prompts):

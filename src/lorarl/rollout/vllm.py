@@ -130,6 +130,9 @@ class VLLMRollout(FingerprintReads):
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         if self.max_lora_rank is not None:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.max_lora_rank)
+            # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
+            # without one would never run: capture only the LoRA ones, half the graphs at start-up.
+            kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
 
         engine_process.first_engine_in_process()
         with engine_process.process_state_kept():
