@@ -100,6 +100,10 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     run_dir = tmp / run.name
     cmd = [sys.executable, "-m", "recipes.grpo", f"+backend={run.arm.backend}", *overrides, f"hydra.run.dir={run_dir}"]
     code, text = run_logged(cmd, ROOT, child_env(cache), timeout, log)
+    trace = run_dir / "worker_traceback.txt"  # a worker's unexpected error, in full (lorarl.worker_group)
+    if trace.is_file():
+        text += f"\n{trace.name}:\n{trace.read_text(errors='replace')}"
+        log.write_text(text)
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
     rows = [json.loads(line) for line in lines if '"timing/step"' in line]

@@ -269,6 +269,34 @@ def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, 
     assert "model.lora.target_modules=['vproj']" in msg and "\n" not in msg
 
 
+def test_unexpected_worker_error_is_one_line_naming_its_traceback_file(tmp_path):
+    import traceback
+
+    import ray
+
+    from lorarl.errors import ConfigError, TrainingError
+    from lorarl.worker_group import failure_line
+
+    def update():
+        return {}["actor/pg_loss"]
+
+    try:
+        update()
+    except KeyError as e:
+        err = ray.exceptions.RayTaskError("Worker.update", traceback.format_exc(), e).as_instanceof_cause()
+    trace = tmp_path / "worker_traceback.txt"
+    line = str(failure_line(err, "worker 1 of 2", trace))
+    assert line == f"worker 1 of 2 failed: KeyError: 'actor/pg_loss' (traceback: {trace})"
+    text = trace.read_text()
+    assert "in update" in text and "KeyError" in text and "\x1b[" not in text
+    # The user's own mistakes stay their one line, with no file.
+    user = ConfigError("actor.ppo_mini_batch_size=3 must divide data.train_batch_size=4")
+    wrapped = ray.exceptions.RayTaskError("Worker.update", "", user).as_instanceof_cause()
+    assert failure_line(wrapped, "the worker", tmp_path / "other.txt") is user
+    assert not (tmp_path / "other.txt").exists()
+    assert isinstance(failure_line(err, "the worker", None), TrainingError)
+
+
 def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
     model = tmp_path / "custom"
     model.mkdir()

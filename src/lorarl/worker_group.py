@@ -9,9 +9,11 @@ every call waits on all workers and re-raises the first failure.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from lorarl.config import RunConfig
@@ -58,10 +60,37 @@ def describe_placement(placement: list[dict]) -> str:
     )
 
 
+def failure_line(err, who: str, trace_file: Path | None) -> LorarlError:
+    """A worker's failure as one line. A LorarlError is the user's to fix and says so itself; any
+    other exception is a fault whose full remote traceback goes to `trace_file`, named in the line."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        return TrainingError(
+            f"a worker process died ({who}): it was killed or crashed outside Python, e.g. out of memory; "
+            "its log is under /tmp/ray/session_latest/logs"
+        )
+    cause = getattr(err, "cause", None) or err
+    if isinstance(cause, LorarlError):
+        return cause
+    text = str(cause).strip()
+    line = f"{who} failed: {type(cause).__name__}: {text.splitlines()[-1] if text else ''}"
+    if trace_file is not None:
+        try:
+            # RayTaskError's text holds the worker's traceback (and Ray's terminal colours).
+            trace_file.write_text(re.sub(r"\x1b\[[0-9;]*m", "", str(err)))
+            line += f" (traceback: {trace_file})"
+        except OSError:
+            pass
+    return TrainingError(line)
+
+
 class WorkerGroup:
-    def __init__(self, run: RunConfig, device: str):
+    def __init__(self, run: RunConfig, device: str, trace_file: Path | None = None):
+        """`trace_file`: where a worker's traceback goes when it fails with an unexpected error."""
         import ray
 
+        self.trace_file = trace_file
         self.world_size = run.world_size
         self.workers: list = []
         self.pg = None
@@ -256,19 +285,8 @@ class WorkerGroup:
         return refs.index(ref), err
 
     def _one_line(self, index: int, err) -> LorarlError:
-        import ray
-
         who = f"worker {index} of {len(self.workers)}" if len(self.workers) > 1 else "the worker"
-        if isinstance(err, ray.exceptions.RayActorError):
-            return TrainingError(
-                f"a worker process died ({who}): it was killed or crashed outside Python, e.g. out of memory; "
-                "its log is under /tmp/ray/session_latest/logs"
-            )
-        cause = getattr(err, "cause", None) or err
-        if isinstance(cause, LorarlError):
-            return cause
-        text = str(cause).strip()
-        return TrainingError(f"{who} failed: {type(cause).__name__}: {text.splitlines()[-1] if text else ''}")
+        return failure_line(err, who, self.trace_file)
 
     def _kill_workers(self) -> None:
         import ray
