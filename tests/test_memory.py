@@ -121,6 +121,26 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     assert run_update_bytes(run, dims, dp_size=1, model_parallel=1) / GIB == pytest.approx(gib, abs=0.05)
 
 
+def test_megatron_counts_its_head_at_every_position_in_float32():
+    """Megatron's head runs at every position and its loss takes float32 copies of the logits: at
+    the benchmark's 0.5B work the estimate grows from 54.1 to 75.0 GiB, and the engine sleeps
+    beside the 80.6 GiB that were free on the H200, where the awake run failed in its first update
+    (bench/results/gpu_step_2026-12-04b_megatron.md)."""
+    from bench.common import SHAPES
+    from lorarl.config import compose
+    from lorarl.memory import run_update_bytes
+
+    dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))
+    need = {}
+    for backend in ("fsdp", "megatron"):
+        run = compose([f"+backend={backend}", "model=qwen2_5_0_5b_instruct", "data.max_response_length=128"])
+        need[backend] = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
+    # The preset's 24,576-token budget, every position under the head at 2 + 4 + 4 bytes a logit.
+    assert need["megatron"] / GIB == pytest.approx(75.0, abs=0.05)
+    assert not plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["fsdp"]).sleeps
+    assert plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["megatron"]).sleeps
+
+
 def test_the_switch_to_awake_needs_every_rank():
     """The measured plan wakes the rollout only when every rank's update fits (two gloo ranks)."""
     from tests.test_fsdp_engine import ROOT, torchrun

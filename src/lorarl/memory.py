@@ -85,16 +85,22 @@ def update_bytes(
     targets: list[str],
     dtype_bytes: int = 2,
     model_parallel: int = 1,
+    head_at_every_position: bool = False,
 ) -> int:
     """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
-    `response_tokens` of them under the LM head), plus the LoRA weights, gradients and AdamW
-    state (float32: 16 bytes per parameter)."""
+    `response_tokens` of them under the LM head, or all of them with `head_at_every_position`),
+    plus the LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter)."""
     per_layer = layer_activation_bytes(d, dtype_bytes)
     if checkpointing:  # each layer keeps its input; one layer is recomputed in full at a time
         activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
     else:
         activations = tokens * d.layers * per_layer
-    logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
+    if head_at_every_position:
+        # The logits, a float32 copy and the copy scaled by the temperature, which the
+        # vocab-parallel cross entropy turns into its softmax in place and keeps for the backward.
+        logits = tokens * d.vocab * (dtype_bytes + 8)
+    else:
+        logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
     return (activations + logits) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
 
 
@@ -111,6 +117,8 @@ def run_update_tokens(run, dp_size: int) -> int:
 
 def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) -> int:
     """`update_bytes` for a run's largest micro-batch on one device (`run_update_tokens`)."""
+    from lorarl.engines import backend_of
+
     d = run.data
     seq = d.max_prompt_length + d.max_response_length
     tokens = run_update_tokens(run, dp_size)
@@ -123,6 +131,7 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
         targets=list(run.model.lora.target_modules),
         dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
         model_parallel=model_parallel,
+        head_at_every_position=backend_of(run).head_at_every_position,
     )
 
 

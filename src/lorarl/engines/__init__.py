@@ -23,6 +23,10 @@ class Backend:
     # HF projection names in model.lora.target_modules are checked against the checkpoint
     # (Megatron's bridge maps its own names and checks them itself).
     checks_hf_lora_targets: bool
+    # Where the LM head runs in an update, for the memory estimate (lorarl.memory): False, only at
+    # the response positions, in the compute dtype; True, at every position, its loss then taking
+    # float32 copies of the logits (Megatron's GPT model and vocab-parallel cross entropy).
+    head_at_every_position: bool
 
     def engine_class(self) -> type:
         module, name = self.engine.split(":")
@@ -35,12 +39,14 @@ BACKENDS: dict[str, Backend] = {
         engine="lorarl.engines.fsdp:FSDPEngine",
         needs_cuda=False,
         checks_hf_lora_targets=True,
+        head_at_every_position=False,
     ),
     "megatron": Backend(
         option="megatron",
         engine="lorarl.engines.megatron.engine:MegatronEngine",
         needs_cuda=True,
         checks_hf_lora_targets=False,
+        head_at_every_position=True,
     ),
 }
 
