@@ -105,7 +105,7 @@ class Worker:
         # On CUDA the group is bound to this worker's device, so NCCL connects now and every
         # group made later (Megatron's, vLLM's) is split from it at once. Left lazy, a group's
         # first collective connects it mid-update, when PyTorch's cache may hold all the memory
-        # vLLM left: NCCL's own allocation then fails ("Failed to CUDA calloc async 24 bytes").
+        # vLLM left, and NCCL's own allocation can fail ("Failed to CUDA calloc async").
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
