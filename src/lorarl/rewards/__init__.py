@@ -73,8 +73,10 @@ def check_items(items: Iterable[Any], custom: str | None = None) -> None:
     if custom:
         _load_custom(custom)
         return
+    items = list(items)
+    for source in dict.fromkeys(item.data_source for item in items):
+        get_reward_fn(source)  # once per source: building one reads conf/reward/default.yaml
     for item in items:
-        get_reward_fn(item.data_source)
         parse = GROUND_TRUTH_PARSERS.get(item.data_source)
         if parse is None:
             continue
