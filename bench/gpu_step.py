@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, SHAPES, shaped_model_path, write_json
+from bench.common import ROOT, SHAPED_MODEL_DONE, SHAPES, shaped_model_path, write_json
 from bench.host_state import Sampler, host_state, slowdown_s, wait_for_free_gpu
 from bench.step_launch import (
     child_env,
@@ -91,6 +91,8 @@ def build_model(shape: Shape, cache: Path, device: str, timeout: int) -> tuple[P
     """The shaped random model (built once under <cache>/bench/, in a subprocess so this process
     never holds GPU memory), or the embedded tiny model."""
     t0 = time.perf_counter()
+    if shape.model is not None and (shaped_model_path(cache, shape.model) / SHAPED_MODEL_DONE).is_file():
+        return shaped_model_path(cache, shape.model), 0.0  # built by an earlier command: no torch import
     if shape.model is None:
         code = f"from pathlib import Path; from bench.common import tiny_model; print(tiny_model(Path({str(cache)!r})))"
     else:
