@@ -72,6 +72,7 @@ from bench.step_plan import (
     plan,
     repeat_groups,
     select,
+    walls_of,
 )
 from bench.step_report import markdown
 from bench.step_rows import (
@@ -334,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     order = max((row.get("order") or 0 for row in kept), default=0)
     with tempfile.TemporaryDirectory(prefix="gpu_step_") as tmp_name:
         bench = Bench(args, result, cache, Path(tmp_name), js)
+        # A lease's later commands size their budget from its warm runs, not the cold defaults.
+        bench.walls.update(walls_of(kept))
         for group in repeat_groups(runs):
             expected = sum(estimate_wall_s(run, bench.walls) for run in group)
             if args.budget_s is not None and time.perf_counter() - t_start + expected > args.budget_s:

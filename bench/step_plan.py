@@ -137,6 +137,16 @@ def estimate_wall_s(run: Run, walls: dict[tuple[str, str], float]) -> float:
     return walls.get((run.arm.name, run.pair.shape), default)
 
 
+def walls_of(rows: list[dict]) -> dict[tuple[str, str], float]:
+    """Per (arm, shape), the wall seconds of the last run that finished among `rows` (step_compare
+    rows), without its model build: what estimate_wall_s expects of the next one."""
+    walls = {}
+    for row in sorted(rows, key=lambda r: r.get("order") or 0):
+        if row.get("wall_s") and not row.get("error"):
+            walls[(row["arm"], row["shape"])] = row["wall_s"] - (row.get("model_build_s") or 0.0)
+    return walls
+
+
 def repeat_groups(runs: list[Run]) -> list[list[Run]]:
     """The runs cut into (pair, repeat) groups, in order: the budget starts a group only whole."""
     groups: list[list[Run]] = []

@@ -29,6 +29,7 @@ from bench.step_plan import (
     repeat_groups,
     select,
     trl_correction_args,
+    walls_of,
 )
 from bench.step_report import markdown
 from bench.step_rows import lorarl_steps, pairs, param_count, step_row, trl_steps
@@ -58,6 +59,14 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
     first = repeat_groups(runs)[0]
     assert [estimate_wall_s(r, {}) for r in first] == [125, 60]
     assert estimate_wall_s(first[1], {("trl", "0.5b"): 48.0}) == 48.0
+    # ... or until an earlier command's rows (--append) say what its last finished run took.
+    kept = [
+        {"arm": "trl", "shape": "0.5b", "order": 2, "wall_s": 70.0, "model_build_s": 0.0},
+        {"arm": "lorarl-fsdp-adapter", "shape": "0.5b", "order": 1, "wall_s": 150.0, "model_build_s": 12.0},
+        {"arm": "lorarl-fsdp-adapter", "shape": "0.5b", "order": 3, "wall_s": 110.0, "model_build_s": 0.0},
+        {"arm": "trl", "shape": "0.5b", "order": 4, "wall_s": 30.0, "error": "exit 1 after 0 steps"},
+    ]
+    assert [estimate_wall_s(r, walls_of(kept)) for r in first] == [110.0, 70.0]
     assert [r.name for r in select(runs, "trl-*-r1")] == ["trl-0.5b-kloff-none-r1", "trl-7b-klon-token_tis-r1"]
     with pytest.raises(SystemExit, match="matches no planned run"):
         select(runs, "lorarl-3b-*")
