@@ -110,8 +110,13 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     # Step 0's row: where the start-up went (init/timing/*).
     init = next((json.loads(line) for line in lines if '"init/timing/' in line), {})
     startup = {k.removeprefix("init/timing/"): v for k, v in init.items() if k.startswith("init/timing/")}
-    out = {"command": shlex.join(["python", *cmd[1:]]), "exit_code": code, "rows": rows, "log": text}
-    out["startup"] = startup
+    out = {
+        "command": shlex.join(["python", *cmd[1:]]),
+        "exit_code": code,
+        "rows": rows,
+        "log": text,
+        "startup": startup,
+    }
     if code != 0 or len(rows) < steps:
         why = "timed out" if code is None else f"exit {code}"
         out["error"] = f"{why} after {len(rows)} steps; log tail:\n{tail(text)}"

@@ -73,6 +73,11 @@ def _machine(row: dict) -> str:
     )
 
 
+def _in_order(rows: list[dict]) -> list[dict]:
+    """The rows in the order they ran; rows without an order last."""
+    return sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0))
+
+
 def run_lines(rows: list[dict]) -> list[str]:
     lines = [
         "| # | run | correction | step s | steps s | gen | logp | update | sync | sleep+wake | other | tokens/step | "
@@ -80,7 +85,7 @@ def run_lines(rows: list[dict]) -> list[str]:
         "load 1m before | host loop us before | CPU busy median | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0)):
+    for row in _in_order(rows):
         b = row.get("breakdown") or {}
         m4, m6 = row.get("mfu_update"), row.get("mfu_update_hw")
         mfu = "-" if m4 is None else f"{m4:.1%} / {m6:.1%}"
@@ -104,14 +109,14 @@ def startup_lines(rows: list[dict]) -> list[str]:
         "steps s | rest s | TRL init s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0)):
+    for row in _in_order(rows):
         up = row.get("startup_s") or {}
         steps = sum(row.get("steps_s") or []) or None
         cells = [row.get("wall_s"), row.get("model_build_s")]
         cells += [up.get(k) for k in ("prepare", "ray_init", "workers_start", "rollout_start", "engine_build")]
         # The rest: interpreter and imports, the first sync, the final adapter, plots, shutdown.
-        known = [row.get("model_build_s"), steps, *(up.get(k) for k in ("prepare", "ray_init", "workers_start"))]
-        known.append(up.get("worker_setup"))
+        stages = (up.get(k) for k in ("prepare", "ray_init", "workers_start", "worker_setup"))
+        known = [row.get("model_build_s"), steps, *stages]
         rest = row["wall_s"] - sum(k for k in known if k) if up and "wall_s" in row else None
         cells += [steps, rest, row.get("init_s")]
         lines.append(f"| {row['run']} | " + " | ".join(fmt(c, 1) for c in cells) + " |")

@@ -32,6 +32,8 @@ class FSDPBackendConfig:
     compile: bool = MISSING
     # Each PEFT LoRA linear as one autograd node with the scale inside its GEMMs
     # (lorarl.engines.lora_linear): fewer kernels and less host work per layer, the same math.
+    # Off: at 7B on one H200 the update took 2.76 against 2.79 s, within the spread
+    # (bench/results/update_profile_2026-12-04b).
     fused_lora: bool = MISSING
 
     def model_parallel_size(self) -> int:
