@@ -22,6 +22,7 @@ from bench.step_plan import Run, Shape, Work, lorarl_correction_overrides, trl_c
 
 KL_COEF = 0.001
 SMOKE_MICRO = 4  # the tiny smoke run: 4 micro-batches per step, so it takes the accumulation path
+STALL_REPORT_S = 180  # GPU runs: trainer.stall_report_s
 
 
 def tail(text: str, lines: int = 40, chars: int = 4000) -> str:
@@ -65,7 +66,13 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
     if cpu:
         out += ["trainer.device=cpu", f"actor.ppo_micro_batch_size_per_gpu={SMOKE_MICRO}"]
     else:
-        out += [f"rollout.gpu_memory_utilization={shape.gpu_memory_utilization}", "rollout.enforce_eager=false"]
+        out += [
+            f"rollout.gpu_memory_utilization={shape.gpu_memory_utilization}",
+            "rollout.enforce_eager=false",
+            # A hung call's stacks reach the run's log before --run-timeout ends it (set-up took
+            # at most ~140 s cold, a step well under a minute).
+            f"trainer.stall_report_s={STALL_REPORT_S}",
+        ]
     if tolerance is not None:
         out.append(f"trainer.check_sync_tolerance={tolerance}")
     return out
@@ -100,9 +107,10 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     run_dir = tmp / run.name
     cmd = [sys.executable, "-m", "recipes.grpo", f"+backend={run.arm.backend}", *overrides, f"hydra.run.dir={run_dir}"]
     code, text = run_logged(cmd, ROOT, child_env(cache), timeout, log)
-    trace = run_dir / "worker_traceback.txt"  # a worker's unexpected error, in full (lorarl.worker_group)
-    if trace.is_file():
-        text += f"\n{trace.name}:\n{trace.read_text(errors='replace')}"
+    # A worker's unexpected error in full (lorarl.worker_group); where a stalled call waited.
+    reports = [run_dir / "worker_traceback.txt", *sorted(run_dir.glob("worker_stacks_rank*.txt"))]
+    for report in filter(Path.is_file, reports):
+        text += f"\n{report.name}:\n{report.read_text(errors='replace')}"
         log.write_text(text)
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []

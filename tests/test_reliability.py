@@ -297,6 +297,40 @@ def test_unexpected_worker_error_is_one_line_naming_its_traceback_file(tmp_path)
     assert isinstance(failure_line(err, "the worker", None), TrainingError)
 
 
+def test_a_call_past_the_stall_limit_leaves_every_threads_stack_and_a_prompt_one_leaves_nothing(tmp_path):
+    import threading
+
+    from lorarl.stall_report import stacks_after, stacks_file
+
+    path = stacks_file(tmp_path, 3)
+    assert path.name == "worker_stacks_rank3.txt"
+    with stacks_after(path, 5.0):
+        pass
+    assert not path.exists()
+
+    held = threading.Event()
+
+    def waits_in_a_collective():
+        held.wait(5)
+
+    with stacks_after(path, 0.3):
+        helper = threading.Thread(target=waits_in_a_collective, name="peer")
+        helper.start()
+        time.sleep(1.0)  # past the limit: the block goes on
+        held.set()
+        helper.join()
+    text = path.read_text()
+    assert "most recent call first" in text and "waits_in_a_collective" in text, text
+    assert "test_a_call_past_the_stall_limit" in text  # the main thread too
+    # A later call that returns in time appends nothing and keeps the report.
+    with stacks_after(path, 5.0):
+        pass
+    assert path.read_text() == text
+    with stacks_after(None, 0.1), stacks_after(path, None):
+        time.sleep(0.3)
+    assert path.read_text() == text
+
+
 def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
     model = tmp_path / "custom"
     model.mkdir()
@@ -598,11 +632,18 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
 
 
 @pytest.mark.slow
-def test_one_of_two_workers_killed_stops_the_run_within_15_s(cache, tmp_path):
-    """Two workers: one is SIGKILLed while its peer will sit in a collective. The run ends with
+def test_stalled_worker_is_reported_and_a_killed_one_stops_the_run_within_15_s(cache, tmp_path):
+    """Two workers. One is stopped (SIGSTOP): the step stalls, and after trainer.stall_report_s
+    the driver says so, naming the stacks files, without ending the run; resumed (SIGCONT), the
+    run goes on. Then it is SIGKILLed while its peer will sit in a collective: the run ends with
     exit 2 and one line naming the dead worker and the last checkpoint, within 15 s, and leaves
     no process and no tmpfs adapter folder behind."""
     run = tmp_path / "run"
+    stall = re.compile(
+        r"the workers' ([a-z -]+) is still running after trainer.stall_report_s=6 s; "
+        r"their Python stacks at that moment: (\S+)$",
+        re.M,
+    )
     bg = Background(
         run,
         cache,
@@ -610,11 +651,27 @@ def test_one_of_two_workers_killed_stops_the_run_within_15_s(cache, tmp_path):
         "actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.save_freq=1",
         "trainer.total_steps=50",
+        "trainer.stall_report_s=6",
     )
     bg.wait_for("step 2:")
     procs = descendants(bg.proc.pid)
     workers = sorted(p for p, cmd in procs.items() if cmd.startswith(b"ray::Worker"))
     assert len(workers) == 2, procs
+    before = len(stall.findall(bg.stdout_path.read_text()))
+    os.kill(workers[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    while len(reports := stall.findall(bg.stdout_path.read_text())) == before:
+        assert time.monotonic() - t0 < 60, "no stall report 60 s into a stopped worker"
+        time.sleep(0.2)
+    assert reports[-1][1] == f"{run}/worker_stacks_rank*.txt", reports
+    assert bg.proc.poll() is None  # reported, not ended
+    os.kill(workers[1], signal.SIGCONT)
+    last = max(int(n) for n in re.findall(r"^step (\d+):", bg.stdout_path.read_text(), re.M))
+    bg.wait_for(f"step {last + 1}:", timeout=120)
+    # Whatever stacks a worker wrote (at set-up on a slow machine, in the stalled step) read as
+    # faulthandler's dump of every thread.
+    for f in run.glob("worker_stacks_rank*.txt"):
+        assert "most recent call first" in f.read_text(), f
     os.kill(workers[1], signal.SIGKILL)
     out = bg.finish(timeout=60)
     line = error_line(out, "a worker process died (worker ", " of 2)", "last complete checkpoint: ")

@@ -352,6 +352,10 @@ class TrainerConfig:
     resume_mode: str = MISSING
     max_ckpt_to_keep: int | None = MISSING
     progress_bar: bool = MISSING
+    # A worker call (set-up, generation, update, sync, checkpoint) running longer than this
+    # writes each worker's Python stacks to the run folder and the driver says so; the call
+    # goes on (lorarl.stall_report). null: never.
+    stall_report_s: float | None = MISSING
 
     @property
     def world_size(self) -> int:
@@ -368,6 +372,10 @@ class TrainerConfig:
         check(
             self.check_sync_probe_freq >= 1,
             f"trainer.check_sync_probe_freq={self.check_sync_probe_freq} must be >= 1",
+        )
+        check(
+            self.stall_report_s is None or self.stall_report_s > 0,
+            f"trainer.stall_report_s={self.stall_report_s} must be > 0, or null for no report",
         )
         for name in self.logger:
             one_of("trainer.logger", name, ("console", "jsonl", "wandb", "tensorboard"))

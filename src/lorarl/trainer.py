@@ -166,7 +166,7 @@ class GRPOTrainer:
         )
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
-        self.workers = WorkerGroup(self.run, self.device, trace_file=self.out_dir / "worker_traceback.txt")
+        self.workers = WorkerGroup(self.run, self.device, run_dir=self.out_dir, say=say)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
         say(f"workers: {describe_placement(self.workers.placement)}")
         node_ids = [where["node_id"] for where in self.workers.placement]

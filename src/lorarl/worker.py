@@ -9,6 +9,7 @@ checks (lorarl.sync_session), the PPO update (lorarl.ppo), the checkpoint files
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import random
@@ -36,6 +37,7 @@ from lorarl.messages import (
 from lorarl.peft_io import save_peft_adapter
 from lorarl.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.rollout_sleep import RolloutSleep, can_sleep
+from lorarl.stall_report import stacks_after, stacks_file
 from lorarl.sync_session import SyncSession
 
 
@@ -45,10 +47,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def watched(method):
+    """A worker call that writes this worker's Python stacks if it runs past
+    trainer.stall_report_s (lorarl.stall_report), and goes on."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with stacks_after(self.stacks_path, self.run.trainer.stall_report_s):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class Worker:
-    def __init__(self, run: RunConfig, rank: int, world_size: int, device: str, threads: int | None = None):
+    def __init__(
+        self,
+        run: RunConfig,
+        rank: int,
+        world_size: int,
+        device: str,
+        threads: int | None = None,
+        run_dir: str | None = None,
+    ):
         self.run = run
         self.rank = rank
+        self.stacks_path = stacks_file(Path(run_dir), rank) if run_dir is not None else None
         self.world_size = world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         if threads:
@@ -79,6 +102,7 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    @watched
     def setup(self, master_addr: str, master_port: int) -> WorkerSetup:
         """Process group, rollout, then engine."""
         from lorarl.rollout.vllm import VLLMRollout
@@ -159,6 +183,7 @@ class Worker:
 
     # ---- the step: generate, update, sync --------------------------------------------------
 
+    @watched
     def generate(self, request: GenerateRequest) -> Rollouts:
         out = self.rollout.sample(
             request.prompt_ids,
@@ -172,6 +197,7 @@ class Worker:
             self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
         return out
 
+    @watched
     def update(self, request: UpdateRequest) -> UpdateReport:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
@@ -212,6 +238,7 @@ class Worker:
             report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)
         return report
 
+    @watched
     def sync(self, request: SyncRequest) -> SyncReport:
         """Wake the rollout's weights, sync and check them, wake its cache. Collective."""
         t_wake = self.sleep.wake(["weights"])
@@ -225,13 +252,16 @@ class Worker:
 
     # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
 
+    @watched
     def save_checkpoint(self, directory: str) -> None:
         save_engine_state(self.engine, directory, self.rank)
         dist.barrier()
 
+    @watched
     def load_checkpoint(self, directory: str) -> None:
         load_engine_state(self.engine, directory, self.rank)
 
+    @watched
     def export_adapter(self, directory: str) -> None:
         """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
         LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""

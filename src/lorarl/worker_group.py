@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +87,16 @@ def failure_line(err, who: str, trace_file: Path | None) -> LorarlError:
 
 
 class WorkerGroup:
-    def __init__(self, run: RunConfig, device: str, trace_file: Path | None = None):
-        """`trace_file`: where a worker's traceback goes when it fails with an unexpected error."""
+    def __init__(self, run: RunConfig, device: str, run_dir: Path | None = None, say: Callable[[str], None] = print):
+        """`run_dir`: where a worker's traceback goes when it fails with an unexpected error, and
+        each worker's Python stacks when a call runs past trainer.stall_report_s
+        (lorarl.stall_report); `say` shows the driver's line about the latter."""
         import ray
 
-        self.trace_file = trace_file
+        self.run_dir = run_dir
+        self.trace_file = run_dir / "worker_traceback.txt" if run_dir is not None else None
+        self.stall_s = run.trainer.stall_report_s
+        self.say = say
         self.world_size = run.world_size
         self.workers: list = []
         self.pg = None
@@ -163,13 +169,15 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=i // per_node
                 ),
-            ).remote(run, i, self.world_size, device, threads[i])
+            ).remote(
+                run, i, self.world_size, device, threads[i], str(self.run_dir) if self.run_dir is not None else None
+            )
             for i in range(self.world_size)
         ]
         self.placement = self._get([w.location.remote() for w in self.workers])
         addr, port = self.placement[0]["ip"], self._get([self.workers[0].free_port.remote()])[0]
         t1 = time.perf_counter()
-        setups = self._get([w.setup.remote(addr, port) for w in self.workers])
+        setups = self._get([w.setup.remote(addr, port) for w in self.workers], "set-up")
         self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
         self.sleep_plans = [s.sleep_plan for s in setups]
         # The slowest worker's stages: the others wait for it at the first collective.
@@ -213,39 +221,37 @@ class WorkerGroup:
         """One request per rollout engine (rollout_size of them); one result per engine, from its
         first worker."""
         refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
-        return self._first_of(self.rollout_replica, refs)
+        return self._first_of(self.rollout_replica, refs, "generation")
 
     def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:
         """Sleep, log-probs, PPO update: one request and one report per data-parallel replica."""
-        return self._per_replica([w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)])
+        refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)]
+        return self._first_of([dp_rank for dp_rank, _ in self.dp], refs, "update")
 
     def sync(self, request: SyncRequest) -> SyncReport:
         """Every worker's sync (wake, payloads, checks, the probe when due), as one report."""
-        return SyncReport.merge(self._get([w.sync.remote(request) for w in self.workers]))
+        return SyncReport.merge(self._get([w.sync.remote(request) for w in self.workers], "sync"))
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str) -> None:
-        self._get([w.save_checkpoint.remote(directory) for w in self.workers])
+        self._get([w.save_checkpoint.remote(directory) for w in self.workers], "checkpoint save")
 
     def load_checkpoint(self, directory: str) -> None:
-        self._get([w.load_checkpoint.remote(directory) for w in self.workers])
+        self._get([w.load_checkpoint.remote(directory) for w in self.workers], "checkpoint load")
 
     def export_adapter(self, directory: str) -> None:
-        self._get([w.export_adapter.remote(directory) for w in self.workers])
+        self._get([w.export_adapter.remote(directory) for w in self.workers], "adapter export")
 
-    def _per_replica(self, refs: list) -> list:
+    def _first_of(self, groups: list[int], refs: list, what: str) -> list:
         """Every worker's result awaited (collectives stay in lockstep); the first worker's of
-        each data-parallel replica returned, in replica order."""
-        return self._first_of([dp_rank for dp_rank, _ in self.dp], refs)
-
-    def _first_of(self, groups: list[int], refs: list) -> list:
+        each group (rollout engine, data-parallel replica) returned, in group order."""
         first = {}
-        for group, result in zip(groups, self._get(refs)):
+        for group, result in zip(groups, self._get(refs, what)):
             first.setdefault(group, result)
         return [first[i] for i in range(len(first))]
 
-    def _get(self, refs: list) -> list[Any]:
+    def _get(self, refs: list, what: str | None = None) -> list[Any]:
         """Results of one call per worker (refs[i] is worker i's). The first failure ends the call:
         the workers still running are killed (peers of a dead or failed worker may wait in a
         collective forever, and Ray cannot cancel a running actor task), then it is raised as
@@ -253,8 +259,16 @@ class WorkerGroup:
         import ray
 
         pending, results = list(refs), {}
+        t0, reported = time.perf_counter(), False
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            wait = (
+                None if reported or not (self.stall_s and what) else max(0.0, self.stall_s - (time.perf_counter() - t0))
+            )
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if not done:
+                reported = True
+                self._report_stall(what)
+                continue
             try:
                 results[done[0]] = ray.get(done[0])
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
@@ -263,6 +277,21 @@ class WorkerGroup:
                     self._kill_workers()  # some are still running, e.g. waiting for the failed one
                 raise self._one_line(culprit, err) from err
         return [results[r] for r in refs]
+
+    def _report_stall(self, what: str) -> None:
+        """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
+        that moment (lorarl.worker's watched calls) and go on; so does this wait."""
+        from lorarl.stall_report import STACKS_NAME
+
+        where = (
+            f"{self.run_dir}/{STACKS_NAME.format(rank='*')}"
+            if self.run_dir is not None
+            else "not written (no run folder)"
+        )
+        self.say(
+            f"the workers' {what} is still running after trainer.stall_report_s={self.stall_s:g} s; "
+            f"their Python stacks at that moment: {where}"
+        )
 
     # ---- failure path ------------------------------------------------------------------------
 
