@@ -131,7 +131,9 @@ class VLLMRollout(FingerprintReads):
         if self.max_lora_rank is not None:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.max_lora_rank)
             # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
-            # without one would never run: capture only the LoRA ones, half the graphs at start-up.
+            # without one would never run: vLLM's V1 model runner then captures only the LoRA
+            # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
+            # per mode there: 51 sizes x [no adapter, adapter]).
             kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
 
         engine_process.first_engine_in_process()
