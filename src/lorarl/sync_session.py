@@ -46,8 +46,9 @@ class SyncSession:
         self._probe_due = True
 
     def sync(self, request: SyncRequest) -> SyncReport:
-        """Export, apply and check every payload the rollout needs; the probe when it is due.
-        Collective over all workers. A failed check raises SyncError."""
+        """Export, apply and check every payload the rollout needs (the weights; no generation,
+        so the rollout's KV cache may still sleep). Collective over all workers. A failed
+        check raises SyncError."""
         stats: list[SyncStats] = []
         checks: dict = {}
         if self.merge or not self.rollout.base_loaded:
@@ -67,15 +68,19 @@ class SyncSession:
                 t0 = time.perf_counter()
                 checks["adapter_match"] = sync_checks.verify_adapter(self.rollout, payload, self.rank)
                 checks["adapter_check_seconds"] = time.perf_counter() - t0
-        report = dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
-        if self._probe_now(request):
-            t0 = time.perf_counter()
-            reading = self.probe()
-            report.logprob_diff_max = reading.sync_max
-            report.logprob_diff_mean = reading.sync_mean
-            report.logprob_ref_diff_mean = reading.ref_mean
-            report.probe_seconds = time.perf_counter() - t0
-        return report
+        return dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
+
+    def probe_if_due(self, request: SyncRequest, report: SyncReport) -> None:
+        """After `sync`, with the rollout fully awake (the probe generates, so it needs the KV
+        cache): the log-prob probe when it is due, its reading added to `report`. Collective."""
+        if not self._probe_now(request):
+            return
+        t0 = time.perf_counter()
+        reading = self.probe()
+        report.logprob_diff_max = reading.sync_max
+        report.logprob_diff_mean = reading.sync_mean
+        report.logprob_ref_diff_mean = reading.ref_mean
+        report.probe_seconds = time.perf_counter() - t0
 
     def _probe_now(self, request: SyncRequest) -> bool:
         if not self.check or self.probe_seqs is None or request.step == 0:

@@ -240,10 +240,14 @@ class Worker:
 
     @watched
     def sync(self, request: SyncRequest) -> SyncReport:
-        """Wake the rollout's weights, sync and check them, wake its cache. Collective."""
+        """Wake the rollout's weights, sync and check them, wake its cache, probe. Collective.
+
+        The cache wakes after the payloads are applied (their gathers have its memory) and
+        before the probe, which generates."""
         t_wake = self.sleep.wake(["weights"])
         report = self.sync_session.sync(request)
         t_wake += self.sleep.wake(["kv_cache"])
+        self.sync_session.probe_if_due(request, report)
         if self.sleep.sleeps:
             report.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.

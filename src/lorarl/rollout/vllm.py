@@ -97,7 +97,9 @@ class VLLMRollout(FingerprintReads):
         self.fingerprint_base = fingerprint_base
         # Per HF name, of the last base payload: fingerprint sums (read when checked) and numel.
         self._sent: dict[str, tuple[Tensor, int]] = {}
-        self._asleep = False
+        # What vLLM has put to sleep ("weights", "kv_cache"): a sync needs the weights awake,
+        # generation both (vLLM does not refuse a generate with its cache asleep; it hangs).
+        self._asleep: set[str] = set()
         # vLLM's CPU build picks its Triton fused-MoE kernel whenever LoRA is enabled and fails at
         # the first forward (AttributeError: module 'triton.language' has no attribute 'float32');
         # the engine still starts and loads adapters, so the layout can be checked, not served.
@@ -234,6 +236,7 @@ class VLLMRollout(FingerprintReads):
         Log-probs are vLLM's "processed" ones: after temperature (and top-k/top-p, which the
         trainer does not apply: with top_p < 1 they are renormalised over the nucleus).
         """
+        self._check_awake()
         t0 = time.perf_counter()
         from vllm import SamplingParams
 
@@ -258,6 +261,13 @@ class VLLMRollout(FingerprintReads):
             logprobs.append([[step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids)] for c in out.outputs])
         return Rollouts(tokens, logprobs, time.perf_counter() - t0)
 
+    def _check_awake(self) -> None:
+        if self._asleep:
+            tags = sorted(self._asleep)
+            raise SyncError(
+                f"the rollout engine's {' and '.join(tags)} are asleep; call wake_up({tags}) before generating"
+            )
+
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
         """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
         return self.prompt_logprobs_many([token_ids], start)[0]
@@ -269,6 +279,7 @@ class VLLMRollout(FingerprintReads):
         ("einsum(): subscript b has size 3 ... size 7", vLLM 0.32 CPU); one request at a time works."""
         from vllm import SamplingParams
 
+        self._check_awake()
         for token_ids in sequences:
             if not 1 <= start < len(token_ids):
                 raise ValueError(f"start={start} must lie in 1..{len(token_ids) - 1}")
@@ -288,7 +299,7 @@ class VLLMRollout(FingerprintReads):
     def apply(self, payload: WeightPayload) -> SyncStats:
         if not isinstance(payload, WeightPayload):
             raise SyncError(f"rollout.apply needs a WeightPayload, got {type(payload).__name__}")
-        if self._asleep:
+        if "weights" in self._asleep:
             raise SyncError("the rollout engine is asleep; call wake_up(['weights']) before a sync")
         if payload.kind is PayloadKind.BASE:
             stats = self._apply_base(payload)
@@ -459,14 +470,15 @@ class VLLMRollout(FingerprintReads):
         if level not in (1, 2):
             raise ConfigError(f"sleep level {level} is not 1 or 2")
         self.llm.sleep(level=level)
-        self._asleep = True
+        self._asleep = {"weights", "kv_cache"}
         if level == 2:
             self.base_loaded = False  # level 2 discards weights; the adapter listing lies
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags)
-        if tags is None or "weights" in tags:
-            self._asleep = False
+        woke = self._asleep if tags is None else self._asleep & set(tags)
+        self._asleep = self._asleep - woke
+        if "weights" in woke:
             if self.lora_enabled:
                 self.refresh_lora_mapping()
         self.llm.reset_prefix_cache()
