@@ -329,6 +329,11 @@ def test_a_call_past_the_stall_limit_leaves_every_threads_stack_and_a_prompt_one
     with stacks_after(None, 0.1), stacks_after(path, None):
         time.sleep(0.3)
     assert path.read_text() == text
+    # A call that fails in time leaves no (empty) file either.
+    other = stacks_file(tmp_path, 4)
+    with pytest.raises(RuntimeError), stacks_after(other, 5.0):
+        raise RuntimeError("CUDA Error: out of memory")
+    assert not other.exists()
 
 
 def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):

@@ -315,6 +315,20 @@ def test_sleep_level_follows_the_base_state(rollout, merged_rollout, tiny_model_
         rollout.sleep()
 
 
+def test_generation_with_a_sleeping_cache_is_refused(rollout, prompts):
+    """vLLM does not refuse a generate while its KV cache sleeps: it waits forever (H200, vLLM
+    0.26: the sync's probe before the cache woke). The CPU build cannot sleep, so the state a
+    weights-only wake leaves is set here as `sleep` + `wake_up(["weights"])` leave it."""
+    rollout._asleep = {"kv_cache"}
+    try:
+        for call in (lambda: rollout.sample(prompts[:1]), lambda: rollout.prompt_logprobs(prompts[0], 1)):
+            with pytest.raises(SyncError, match=r"asleep \(kv_cache\); call wake_up\(\['kv_cache'\]\)"):
+                call()
+    finally:
+        rollout._asleep = set()
+    assert rollout.sample(prompts[:1]).token_ids
+
+
 def test_sleep_mode_on_cpu_is_a_config_error(tiny_model_path: Path):
     with pytest.raises(ConfigError, match="enable_sleep_mode"):
         make_rollout(tiny_model_path, enable_sleep_mode=True)

@@ -48,14 +48,14 @@ def stacks_after(path: Path | None, seconds: float | None) -> Iterator[None]:
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
 
-    with f:
-        timer = threading.Timer(seconds, dump)
-        timer.daemon = True
-        timer.start()
-        try:
-            yield
-        finally:
-            timer.cancel()
-            timer.join()  # a dump under way finishes before the file closes
-    if path.stat().st_size == 0:
-        path.unlink(missing_ok=True)
+    timer = threading.Timer(seconds, dump)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:  # also when the call raises: an empty file would read as a report
+        timer.cancel()
+        timer.join()  # a dump under way finishes before the file closes
+        f.close()
+        if path.stat().st_size == 0:
+            path.unlink(missing_ok=True)

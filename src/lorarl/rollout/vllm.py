@@ -265,7 +265,7 @@ class VLLMRollout(FingerprintReads):
         if self._asleep:
             tags = sorted(self._asleep)
             raise SyncError(
-                f"the rollout engine's {' and '.join(tags)} are asleep; call wake_up({tags}) before generating"
+                f"the rollout engine is asleep ({' and '.join(tags)}); call wake_up({tags}) before generating"
             )
 
     def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
