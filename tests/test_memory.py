@@ -121,6 +121,24 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     assert run_update_bytes(run, dims, dp_size=1, model_parallel=1) / GIB == pytest.approx(gib, abs=0.05)
 
 
+def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
+    """`backend.reshard_after_forward=false` keeps every layer's gathered weights until the
+    backward: the 7B update's measured peak rose by 14.5 GiB (93.8 -> 108.3,
+    bench/results/update_profile_2026-12-04c); the estimate adds the model's bf16 weights."""
+    from bench.common import SHAPES
+    from lorarl.config import compose
+    from lorarl.memory import run_update_bytes
+
+    dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-7b"]))
+    need = [
+        run_update_bytes(
+            compose(["+backend=fsdp", "model=qwen2_5_7b_instruct", *extra]), dims, dp_size=1, model_parallel=1
+        )
+        for extra in ([], ["backend.reshard_after_forward=false"])
+    ]
+    assert (need[1] - need[0]) / GIB == pytest.approx(14.5, abs=0.5)
+
+
 def test_megatron_counts_its_head_at_every_position_in_float32():
     """Megatron's head runs at every position and its loss takes float32 copies of the logits: at
     the benchmark's 0.5B work the estimate grows from 54.1 to 75.0 GiB, and the engine sleeps

@@ -50,6 +50,14 @@ class ModelDims:
         )
 
 
+def weight_numel(d: ModelDims) -> int:
+    """The model's weights: every decoder layer's projections and norms, the embedding and an
+    LM head (counted separately even when tied: generous)."""
+    q, kv, h = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * d.intermediate + 2 * h
+    return d.layers * per_layer + 2 * d.vocab * h + h
+
+
 def layer_activation_bytes(d: ModelDims, dtype_bytes: int) -> int:
     """Bytes autograd keeps per token for one decoder layer's backward (LoRA adds only rank-wide
     intermediates; the frozen base keeps its inputs for the activation gradients)."""
@@ -86,10 +94,14 @@ def update_bytes(
     dtype_bytes: int = 2,
     model_parallel: int = 1,
     head_at_every_position: bool = False,
+    gathered_weights_held: bool = False,
 ) -> int:
     """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
     `response_tokens` of them under the LM head, or all of them with `head_at_every_position`),
-    plus the LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter)."""
+    plus the LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter), plus
+    with `gathered_weights_held` every layer's gathered weights, which FSDP2 keeps from forward
+    to backward under `backend.reshard_after_forward=false` (one full copy, whatever the world
+    size: at 7B +14.5 GiB measured, bench/results/update_profile_2026-12-04c)."""
     per_layer = layer_activation_bytes(d, dtype_bytes)
     if checkpointing:  # each layer keeps its input; one layer is recomputed in full at a time
         activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
@@ -101,7 +113,8 @@ def update_bytes(
         logits = tokens * d.vocab * (dtype_bytes + 8)
     else:
         logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
-    return (activations + logits) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
+    held = weight_numel(d) * dtype_bytes if gathered_weights_held else 0
+    return (activations + logits + held) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
 
 
 def run_update_tokens(run, dp_size: int) -> int:
@@ -132,6 +145,7 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
         dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
         model_parallel=model_parallel,
         head_at_every_position=backend_of(run).head_at_every_position,
+        gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False,
     )
 
 
