@@ -69,6 +69,7 @@ from bench.step_plan import (
     Work,
     estimate_wall_s,
     lorarl_arms,
+    parse_variant,
     plan,
     repeat_groups,
     select,
@@ -170,6 +171,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trl-launch", default="torchrun,python", help="launchers to try in order: torchrun,python")
     ap.add_argument("--trl-pythonpath", default=None, help="appended to the TRL run's PYTHONPATH (trl installed apart)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override for every lorarl run")
+    ap.add_argument(
+        "--variant", action="append", default=[],
+        help="NAME:KEY=VALUE [KEY=VALUE ...]: one more lorarl arm per backend and mode, run with these settings "
+        "beside the preset in every repeat (how lorarl runs only, e.g. 'keep:backend.reshard_after_forward=false')",
+    )  # fmt: skip
     ap.add_argument("--check-sync-tolerance", type=float, default=None, help="lorarl parity tolerance for every shape")
     ap.add_argument("--list", action="store_true", help="print the planned runs and stop")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model, fp32, CPU, 4x4x16 tokens: a smoke run")
@@ -187,6 +193,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = comma_list(ap, "--modes", args.modes, MODES)
     args.systems = comma_list(ap, "--systems", args.systems, SYSTEMS)
     args.trl_launch = comma_list(ap, "--trl-launch", args.trl_launch, ("torchrun", "python"))
+    try:
+        args.variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     args.work = SMOKE_WORK if args.cpu_smoke else GPU_WORK
@@ -199,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def planned(args: argparse.Namespace, kept: list[dict]) -> list[Run]:
     pair_list = [Pair(s, kl, c) for kl in args.kl for s in args.shapes for c in args.corrections]
-    arms = (lorarl_arms(args.backends, args.modes) if "lorarl" in args.systems else []) + (
+    arms = (lorarl_arms(args.backends, args.modes, args.variants) if "lorarl" in args.systems else []) + (
         [TRL] if "trl" in args.systems else []
     )
     done: dict[str, int] = {}
@@ -225,6 +235,7 @@ class Bench:
         args, shape = self.args, SHAPE_RUNS[run.pair.shape]
         row = {"run": run.name, "system": run.arm.system, "arm": run.arm.name, "backend": run.arm.backend}
         row.update(shape=run.pair.shape, kl=run.pair.kl, correction=run.pair.correction, mode=run.arm.mode)
+        row.update(variant=run.arm.variant, variant_overrides=list(run.arm.overrides))
         row.update(repeat=run.repeat, order=order, step_s=None, tokens_per_step=None, steps_s=[], breakdown={})
         row.update(mfu_update=None, command=None)
         used, waited = (None, 0.0) if args.cpu_smoke else wait_for_free_gpu()
@@ -256,6 +267,7 @@ class Bench:
         row["n_params"] = param_count(model_dims(shape, model))
         tolerance = args.check_sync_tolerance if args.check_sync_tolerance is not None else shape.check_sync_tolerance
         overrides = lorarl_overrides(run, shape, work, model, args.cpu_smoke, tolerance) + args.override
+        overrides += run.arm.overrides
         run_cfg = compose_run(run.arm.backend or "fsdp", overrides, self.cache)
         batches, ordered = prompt_batches(run_cfg, work.steps)
         row["prompt_tokens_per_step"] = [sum(len(i.prompt_ids) for i in batch) * work.n for batch in batches]

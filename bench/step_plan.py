@@ -9,6 +9,7 @@ itself) falls on both systems alike and shows in the spread.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 
 # The bench's correction names; lorarl_correction_overrides gives lorarl's keys for each and TRL's
@@ -79,10 +80,16 @@ class Arm:
     system: str
     backend: str | None = None  # lorarl: fsdp | megatron
     mode: str = "merged"  # lorarl: adapter | merged
+    # lorarl: a named setting of how it runs (never what it computes: the pair fixes that), an
+    # arm of its own beside the preset's in every repeat (`--variant`).
+    variant: str | None = None
+    overrides: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return "trl" if self.system == "trl" else f"lorarl-{self.backend}-{self.mode}"
+        if self.system == "trl":
+            return "trl"
+        return f"lorarl-{self.backend}-{self.mode}" + (f"-{self.variant}" if self.variant else "")
 
 
 TRL = Arm("trl")
@@ -99,9 +106,40 @@ class Run:
         return f"{self.arm.name}-{self.pair.name}-r{self.repeat}"
 
 
-def lorarl_arms(backends: list[str], modes: list[str]) -> list[Arm]:
-    """lorarl's arms; Megatron syncs adapters only, so it takes no merged arm."""
-    return [Arm("lorarl", b, m) for b in backends for m in modes if not (b == "megatron" and m == "merged")]
+def lorarl_arms(backends: list[str], modes: list[str], variants: dict[str, tuple[str, ...]] | None = None) -> list[Arm]:
+    """lorarl's arms, each followed by its variants; Megatron syncs adapters only, so it takes
+    no merged arm."""
+    return [
+        Arm("lorarl", b, m, name, overrides)
+        for b in backends
+        for m in modes
+        if not (b == "megatron" and m == "merged")
+        for name, overrides in [(None, ()), *(variants or {}).items()]
+    ]
+
+
+# What a variant may set: how lorarl runs. The pair's algorithm (loss, KL, correction, sampling,
+# LoRA, data, steps) is the same for every arm, or the ratio to TRL would compare two algorithms.
+VARIANT_PREFIXES = ("backend.", "rollout.", "trainer.", "model.enable_gradient_checkpointing")
+VARIANT_KEYS = ("actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu", "actor.use_dynamic_bsz")
+NOT_VARIANT_KEYS = ("rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "trainer.total_steps")
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME:KEY=VALUE [KEY=VALUE ...]` -> (NAME, overrides); ValueError naming what is wrong."""
+    name, _, rest = text.partition(":")
+    overrides = tuple(rest.split())
+    if not re.fullmatch(r"[a-z0-9_]+", name) or not overrides:
+        raise ValueError(f"--variant {text!r}: use NAME:KEY=VALUE [KEY=VALUE ...], NAME of a-z, 0-9 and _")
+    for o in overrides:
+        key = o.partition("=")[0].lstrip("+~")
+        allowed = (key.startswith(VARIANT_PREFIXES) or key in VARIANT_KEYS) and key not in NOT_VARIANT_KEYS
+        if "=" not in o or not allowed:
+            raise ValueError(
+                f"--variant {name}: {o!r} is not a setting of how lorarl runs; a variant may set "
+                f"{', '.join(VARIANT_PREFIXES)}* (not {', '.join(NOT_VARIANT_KEYS)}) and {', '.join(VARIANT_KEYS)}"
+            )
+    return name, overrides
 
 
 def plan(pairs: list[Pair], arms: list[Arm], repeats: int, done: dict[str, int] | None = None) -> list[Run]:

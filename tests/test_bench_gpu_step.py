@@ -25,6 +25,7 @@ from bench.step_plan import (
     estimate_wall_s,
     lorarl_arms,
     lorarl_correction_overrides,
+    parse_variant,
     plan,
     repeat_groups,
     select,
@@ -76,6 +77,43 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
         "lorarl-fsdp-merged",
         "lorarl-megatron-adapter",
     ]
+
+
+def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tmp_path):
+    from bench.gpu_step import parse_args, planned
+    from bench.step_launch import compose_run, lorarl_overrides
+
+    args = parse_args(["--shapes", "7b", "--kl", "on", "--corrections", "token_tis", "--repeats", "1",
+                       "--variant", "keep:backend.reshard_after_forward=false"])  # fmt: skip
+    runs = planned(args, [])
+    assert [r.name for r in runs] == [
+        "lorarl-fsdp-adapter-7b-klon-token_tis-r1",
+        "lorarl-fsdp-adapter-keep-7b-klon-token_tis-r1",
+        "trl-7b-klon-token_tis-r1",
+    ]
+    # The variant's run composes the preset's algorithm with its own setting on top.
+    base, keep = (lorarl_overrides(r, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "m", False, None) for r in runs[:2])
+    configs = [compose_run("fsdp", o, tmp_path) for o in (base, [*keep, *runs[1].arm.overrides])]
+    assert [c.backend.reshard_after_forward for c in configs] == [True, False]
+    assert configs[0].actor == configs[1].actor and configs[0].algorithm == configs[1].algorithm
+    # Repeats of a variant go on from an earlier command's rows like any arm's.
+    kept = [{"run": "lorarl-fsdp-adapter-keep-7b-klon-token_tis-r1", "repeat": 1}]
+    assert planned(args, kept)[1].name == "lorarl-fsdp-adapter-keep-7b-klon-token_tis-r2"
+    assert parse_variant("mb:actor.ppo_max_token_len_per_gpu=8192 backend.liger_kernel=false") == (
+        "mb",
+        ("actor.ppo_max_token_len_per_gpu=8192", "backend.liger_kernel=false"),
+    )
+    for bad, why in [
+        ("kl:actor.kl_loss_coef=0.01", "not a setting of how lorarl runs"),
+        ("n:rollout.n=4", "not a setting of how lorarl runs"),
+        ("lr:actor.optim.lr=1e-4", "not a setting of how lorarl runs"),
+        ("Keep-1:backend.compile=true", "NAME of a-z"),
+        ("empty:", "NAME of a-z"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            parse_variant(bad)
+    with pytest.raises(SystemExit):
+        parse_args(["--variant", "kl:actor.kl_loss_coef=0.01"])
 
 
 def _rc(correction: str, rs_threshold: str = "2.0"):
