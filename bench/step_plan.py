@@ -135,9 +135,10 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
         key = o.partition("=")[0].lstrip("+~")
         allowed = (key.startswith(VARIANT_PREFIXES) or key in VARIANT_KEYS) and key not in NOT_VARIANT_KEYS
         if "=" not in o or not allowed:
+            settable = [p + "*" if p.endswith(".") else p for p in VARIANT_PREFIXES] + list(VARIANT_KEYS)
             raise ValueError(
                 f"--variant {name}: {o!r} is not a setting of how lorarl runs; a variant may set "
-                f"{', '.join(VARIANT_PREFIXES)}* (not {', '.join(NOT_VARIANT_KEYS)}) and {', '.join(VARIANT_KEYS)}"
+                f"{', '.join(settable)}, but not {', '.join(NOT_VARIANT_KEYS)}"
             )
     return name, overrides
 
