@@ -33,29 +33,27 @@ def stacks_file(run_dir: Path, rank: int) -> Path:
 def stacks_after(path: Path | None, seconds: float | None) -> Iterator[None]:
     """Within the block: after `seconds`, append every thread's stack to `path` (once).
 
-    Appends, so a later call that returns in time never erases an earlier one's stacks; the
-    file is removed only when nothing was ever written to it."""
-    try:
-        f = open(path, "a") if path is not None and seconds else None
-    except OSError:  # e.g. a worker on a node without the driver's run folder: no report there
-        f = None
-    if f is None:
+    The file is opened only then, so a call that returns (or raises) in time touches nothing,
+    and appending means a later call never erases an earlier one's stacks."""
+    if path is None or not seconds:
         yield
         return
 
     def dump() -> None:
-        f.write(f"still running after {seconds:g} s; every thread's stack (most recent call first):\n")
-        f.flush()
-        faulthandler.dump_traceback(file=f, all_threads=True)
+        try:
+            f = open(path, "a")
+        except OSError:  # e.g. a worker on a node without the driver's run folder: no report there
+            return
+        with f:
+            f.write(f"still running after {seconds:g} s; every thread's stack (most recent call first):\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
 
     timer = threading.Timer(seconds, dump)
     timer.daemon = True
     timer.start()
     try:
         yield
-    finally:  # also when the call raises: an empty file would read as a report
+    finally:
         timer.cancel()
-        timer.join()  # a dump under way finishes before the file closes
-        f.close()
-        if path.stat().st_size == 0:
-            path.unlink(missing_ok=True)
+        timer.join()  # a dump under way finishes before the call returns

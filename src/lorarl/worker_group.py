@@ -20,6 +20,7 @@ from typing import Any
 from lorarl.config import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
 from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
+from lorarl.stall_report import STACKS_NAME
 from lorarl.worker import Worker, worker_env
 
 # How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
@@ -281,8 +282,6 @@ class WorkerGroup:
     def _report_stall(self, what: str) -> None:
         """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
         that moment (lorarl.worker's watched calls) and go on; so does this wait."""
-        from lorarl.stall_report import STACKS_NAME
-
         where = (
             f"{self.run_dir}/{STACKS_NAME.format(rank='*')}"
             if self.run_dir is not None
