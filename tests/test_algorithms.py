@@ -10,6 +10,7 @@ from lorarl.algorithms import (
     entropy_from_logits,
     grpo_advantages,
     kl_penalty,
+    logprobs_and_entropy,
     masked_mean,
     masked_sum,
     policy_loss,
@@ -123,6 +124,33 @@ def test_token_logprobs_match_float64_math_and_its_gradient(dtype, temperature, 
     tol = 1e-6 if dtype == torch.float32 else 2**-8 * ref.grad.abs().max()
     assert (logits.grad.double() - ref.grad).abs().max() <= tol
     assert logits.grad[:, 7:].abs().max() == 0  # the position past the labels
+
+
+def test_logprobs_and_entropy_in_each_entropy_mode():
+    """The engines' one path from logits [B, L, V] to the loss's inputs for labels [B, L-1]: the
+    entropy as a metric (no graph), as part of the loss (its gradient against float64 autograd)
+    or not at all; log p the same in every mode."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 6, 40, generator=gen) * 2).requires_grad_()
+    labels = torch.randint(0, 40, (3, 5), generator=gen)
+    ref = logits.detach().double().requires_grad_()
+    lsm = (ref[:, :5] / 0.7).log_softmax(-1)
+    ref_entropy = -(lsm.exp() * lsm).sum(-1)
+    ref_entropy.sum().backward()
+    logps = []
+    for mode in ("none", "metric", "grad"):
+        logp, entropy = logprobs_and_entropy(logits, labels, 0.7, mode)
+        logps.append(logp.detach())
+        if mode == "none":
+            assert entropy is None
+            continue
+        assert entropy.shape == (3, 5) and (entropy.double() - ref_entropy).abs().max() < 1e-5
+        assert entropy.requires_grad == (mode == "grad")
+    torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=0)
+    torch.testing.assert_close(logps[0], logps[2], rtol=0, atol=0)
+    entropy.sum().backward()
+    assert (logits.grad.double() - ref.grad).abs().max() < 1e-5
+    assert logits.grad[:, 5:].abs().max() == 0
 
 
 def test_token_logprobs_refuses_mismatched_shapes():

@@ -139,24 +139,34 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     assert (need[1] - need[0]) / GIB == pytest.approx(14.5, abs=0.5)
 
 
-def test_megatron_counts_its_head_at_every_position_in_float32():
-    """Megatron's head runs at every position and its loss takes float32 copies of the logits: at
-    the benchmark's 0.5B work the estimate grows from 54.1 to 75.0 GiB, and the engine sleeps
-    beside the 80.6 GiB that were free on the H200, where the awake run failed in its first update
-    (bench/results/gpu_step_2026-12-04b_megatron.md)."""
+def test_megatron_counts_its_head_at_every_position():
+    """Megatron's head runs at every position. On one TP rank its loss is the FSDP engine's
+    blockwise log-softmax (2 + 2 + 2 bytes a logit: the logits, their gradient, a float32 block);
+    split over TP ranks it is the vocab-parallel cross entropy, which holds two float32 copies of
+    every position's (2 + 4 + 4 bytes a logit). With those copies at one rank the estimate at the
+    benchmark's 0.5B work was 75.0 GiB, and the awake run failed in its first update beside the
+    80.6 GiB free on the H200 (bench/results/gpu_step_2026-12-04b_megatron.md)."""
     from bench.common import SHAPES
     from lorarl.config import compose
     from lorarl.memory import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))
+    work = ["model=qwen2_5_0_5b_instruct", "data.max_response_length=128"]
     need = {}
-    for backend in ("fsdp", "megatron"):
-        run = compose([f"+backend={backend}", "model=qwen2_5_0_5b_instruct", "data.max_response_length=128"])
-        need[backend] = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
-    # The preset's 24,576-token budget, every position under the head at 2 + 4 + 4 bytes a logit.
-    assert need["megatron"] / GIB == pytest.approx(75.0, abs=0.05)
+    for name, extra in (
+        ("fsdp", ["+backend=fsdp"]),
+        ("megatron", ["+backend=megatron"]),
+        ("megatron_tp2", ["+backend=megatron", "backend.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]),
+    ):
+        run = compose([*extra, *work])
+        need[name] = run_update_bytes(run, dims, dp_size=1, model_parallel=run.backend.model_parallel_size())
+    tokens, vocab = 24_576, dims.vocab  # the preset's token budget, all under the head
+    head = 3 * tokens * vocab * 2
+    assert need["megatron"] / GIB == pytest.approx(75.0 - tokens * vocab * 10 / GIB + head / GIB, abs=0.05)
+    assert need["fsdp"] < need["megatron"] < 75.0 * GIB
+    # Two TP ranks: each holds half of everything, the float32 copies included.
+    assert need["megatron_tp2"] * 2 / GIB == pytest.approx(75.0, abs=0.05)
     assert not plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["fsdp"]).sleeps
-    assert plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["megatron"]).sleeps
 
 
 def test_the_switch_to_awake_needs_every_rank():

@@ -189,6 +189,19 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_ro
     return torch.cat(out).reshape(logits.shape[:-1])
 
 
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What an engine's forward hands the loss: log p(label) [B, T] from logits [B, T' >= T, V]
+    (position t scores labels[:, t]; later positions are ignored), and the entropy [B, T] as
+    `entropy` asks (lorarl.engines.base.EntropyMode): "metric" from the same float32 blocks, no
+    graph; "grad" differentiable, part of the loss; "none" None."""
+    logp, ent = token_logprobs(logits, labels, temperature, with_entropy=entropy == "metric")
+    if entropy == "grad":
+        ent = entropy_from_logits(logits[:, : labels.shape[1]], temperature)
+    return logp, ent
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens."""
     if kind == "k1":

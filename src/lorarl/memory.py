@@ -94,11 +94,13 @@ def update_bytes(
     dtype_bytes: int = 2,
     model_parallel: int = 1,
     head_at_every_position: bool = False,
+    vocab_parallel: bool = False,
     gathered_weights_held: bool = False,
 ) -> int:
     """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
-    `response_tokens` of them under the LM head, or all of them with `head_at_every_position`),
-    plus the LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter), plus
+    `response_tokens` of them under the LM head, or all of them with `head_at_every_position`;
+    their loss in float32 blocks, or with `vocab_parallel` in whole float32 copies), plus the
+    LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter), plus
     with `gathered_weights_held` every layer's gathered weights, which FSDP2 keeps from forward
     to backward under `backend.reshard_after_forward=false` (one full copy, whatever the world
     size: at 7B +14.5 GiB measured, bench/results/update_profile_2026-12-04c)."""
@@ -107,12 +109,13 @@ def update_bytes(
         activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
     else:
         activations = tokens * d.layers * per_layer
-    if head_at_every_position:
+    head_tokens = tokens if head_at_every_position else response_tokens
+    if vocab_parallel:
         # The logits, a float32 copy and the copy scaled by the temperature, which the
         # vocab-parallel cross entropy turns into its softmax in place and keeps for the backward.
-        logits = tokens * d.vocab * (dtype_bytes + 8)
+        logits = head_tokens * d.vocab * (dtype_bytes + 8)
     else:
-        logits = 3 * response_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 chunk
+        logits = 3 * head_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 block
     held = weight_numel(d) * dtype_bytes if gathered_weights_held else 0
     return (activations + logits + held) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
 
@@ -135,6 +138,7 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
     d = run.data
     seq = d.max_prompt_length + d.max_response_length
     tokens = run_update_tokens(run, dp_size)
+    backend = backend_of(run)
     return update_bytes(
         dims,
         tokens=tokens,
@@ -144,7 +148,8 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
         targets=list(run.model.lora.target_modules),
         dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
         model_parallel=model_parallel,
-        head_at_every_position=backend_of(run).head_at_every_position,
+        head_at_every_position=backend.head_at_every_position,
+        vocab_parallel=backend.head_at_every_position and getattr(run.backend, "tensor_model_parallel_size", 1) > 1,
         gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False,
     )
 

@@ -24,8 +24,8 @@ class Backend:
     # (Megatron's bridge maps its own names and checks them itself).
     checks_hf_lora_targets: bool
     # Where the LM head runs in an update, for the memory estimate (lorarl.memory): False, only at
-    # the response positions, in the compute dtype; True, at every position, its loss then taking
-    # float32 copies of the logits (Megatron's GPT model and vocab-parallel cross entropy).
+    # the response positions; True, at every position (Megatron's GPT model), its loss then
+    # taking whole float32 copies of the logits when they are split over TP ranks.
     head_at_every_position: bool
 
     def engine_class(self) -> type:

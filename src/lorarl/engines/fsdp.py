@@ -199,12 +199,10 @@ class FSDPEngine:
             use_cache=False,
             logits_to_keep=ids.shape[1] - first,
         )
-        # Positions first .. L-1; each but the last predicts a token of the batch. token_logprobs
-        # ignores the last without slicing (a slice would copy every logit).
+        # Positions first .. L-1; each but the last predicts a token of the batch. The last is
+        # skipped by reading, not by a slice (a slice would copy every logit).
         labels = ids[:, first + 1 :]
-        logp, ent = algorithms.token_logprobs(out.logits, labels, temperature, with_entropy=entropy == "metric")
-        if entropy == "grad":
-            ent = algorithms.entropy_from_logits(out.logits[:, :-1], temperature)
+        logp, ent = algorithms.logprobs_and_entropy(out.logits, labels, temperature, entropy)
         logp = F.pad(logp, (first, 0))
         return logp, None if ent is None else F.pad(ent, (first, 0))
 

@@ -227,8 +227,13 @@ class MegatronEngine:
         when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-        from lorarl.algorithms import entropy_from_logits
+        from lorarl.algorithms import entropy_from_logits, logprobs_and_entropy
 
+        if self.tp == 1:
+            # The whole vocabulary is on this rank: the FSDP engine's blockwise log-softmax holds
+            # float32 copies of ~1k positions at a time, where the vocab-parallel cross entropy
+            # below holds two of every position's (~15 GB each at the 0.5B preset's budget).
+            return logprobs_and_entropy(output, input_ids[:, 1:], temperature, entropy)
         length = input_ids.shape[1]
         # The division always allocates: vocab_parallel_cross_entropy subtracts the row max from
         # its input in place, which must not be the model's output.
