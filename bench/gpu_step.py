@@ -46,6 +46,7 @@ from bench.host_state import Sampler, host_state, slowdown_s, wait_for_free_gpu
 from bench.step_launch import (
     child_env,
     compose_run,
+    last_setting_wins,
     lorarl_extras,
     lorarl_overrides,
     prompt_batches,
@@ -266,8 +267,9 @@ class Bench:
         row.update(model=str(model), model_build_s=build_s if built else 0.0)
         row["n_params"] = param_count(model_dims(shape, model))
         tolerance = args.check_sync_tolerance if args.check_sync_tolerance is not None else shape.check_sync_tolerance
-        overrides = lorarl_overrides(run, shape, work, model, args.cpu_smoke, tolerance) + args.override
-        overrides += run.arm.overrides
+        overrides = last_setting_wins(
+            [*lorarl_overrides(run, shape, work, model, args.cpu_smoke, tolerance), *args.override, *run.arm.overrides]
+        )
         run_cfg = compose_run(run.arm.backend or "fsdp", overrides, self.cache)
         batches, ordered = prompt_batches(run_cfg, work.steps)
         row["prompt_tokens_per_step"] = [sum(len(i.prompt_ids) for i in batch) * work.n for batch in batches]

@@ -79,6 +79,13 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
     return out
 
 
+def last_setting_wins(overrides: list[str]) -> list[str]:
+    """Hydra overrides with each key once, at its last setting (an --override or a variant over
+    the bench's own), so the recorded command says what ran."""
+    last = {o.split("=", 1)[0].lstrip("+~"): i for i, o in enumerate(overrides)}
+    return [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0].lstrip("+~")] == i]
+
+
 def compose_run(backend: str, overrides: list[str], cache: Path):
     """The RunConfig `python -m recipes.grpo +backend=<backend> <overrides>` runs (lorarl's own composer)."""
     os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in conf/data/arith.yaml reads it

@@ -39,15 +39,19 @@ def variance_lines(entries: list[dict]) -> list[str]:
         "clocks slowed s | CPU busy | load before | host loop us before | GPU MiB before |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    trl_shown = set()  # TRL's runs are the same for every lorarl arm of a pair: shown once
     for e in entries:
+        pair = f"{e['shape']} KL {'on' if e['kl'] else 'off'} {e['correction']}"
         for side, v in e["variance"].items():
             repeats = (e["lorarl_step_s"] if side == "lorarl" else e["trl_step_s"] or {"n": 0})["n"]
-            if not v or repeats < 2:
+            if not v or repeats < 2 or (side == "trl" and pair in trl_shown):
                 continue
+            if side == "trl":
+                trl_shown.add(pair)
             for label in ("fastest", "slowest"):
                 f = v[label]
                 lines.append(
-                    f"| {e['shape']} KL {'on' if e['kl'] else 'off'} {e['correction']} | {side} | "
+                    f"| {pair} | {e['arm'] if side == 'lorarl' else 'trl'} | "
                     f"{v['spread_pct']:.0%} | {label} (r{f['repeat']}, #{fmt(f['order'], 0)}) | {fmt(f['step_s'])} | "
                     f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
                     f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "

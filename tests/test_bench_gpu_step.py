@@ -81,7 +81,7 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
 
 def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tmp_path):
     from bench.gpu_step import parse_args, planned
-    from bench.step_launch import compose_run, lorarl_overrides
+    from bench.step_launch import compose_run, last_setting_wins, lorarl_overrides
 
     args = parse_args(["--shapes", "7b", "--kl", "on", "--corrections", "token_tis", "--repeats", "1",
                        "--variant", "keep:backend.reshard_after_forward=false"])  # fmt: skip
@@ -96,6 +96,8 @@ def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tm
     configs = [compose_run("fsdp", o, tmp_path) for o in (base, [*keep, *runs[1].arm.overrides])]
     assert [c.backend.reshard_after_forward for c in configs] == [True, False]
     assert configs[0].actor == configs[1].actor and configs[0].algorithm == configs[1].algorithm
+    # A setting given twice (the bench's own, then --override or the variant) is recorded once.
+    assert last_setting_wins(["a=1", "b.c=2", "a=3", "+d=4", "b.c=5"]) == ["a=3", "+d=4", "b.c=5"]
     # Repeats of a variant go on from an earlier command's rows like any arm's.
     kept = [{"run": "lorarl-fsdp-adapter-keep-7b-klon-token_tis-r1", "repeat": 1}]
     assert planned(args, kept)[1].name == "lorarl-fsdp-adapter-keep-7b-klon-token_tis-r2"
@@ -254,6 +256,11 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
                        "step_compare": rows})  # fmt: skip
     assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
     assert "slowest (r2, #-)" in report
+    # A variance row names its arm: several lorarl arms of a pair share TRL's rows, shown once.
+    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "step_compare": rows,
+                       "pairs": [uncorrected, {**uncorrected, "arm": "lorarl-fsdp-adapter-keep"}]})  # fmt: skip
+    for side, n in (("lorarl-fsdp-adapter", 2), ("lorarl-fsdp-adapter-keep", 2), ("trl", 2)):
+        assert report.count(f"| 0.5b KL off none | {side} | ") == n
     for table in report.split("\n## ")[1:3]:  # every row of the pair and variance tables has the header's columns
         lines = [line for line in table.splitlines() if line.startswith("|")]
         assert len(lines) > 2 and {line.count("|") for line in lines} == {lines[0].count("|")}
