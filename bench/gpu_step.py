@@ -271,13 +271,16 @@ class Bench:
             [*lorarl_overrides(run, shape, work, model, args.cpu_smoke, tolerance), *args.override, *run.arm.overrides]
         )
         run_cfg = compose_run(run.arm.backend or "fsdp", overrides, self.cache)
+        recomputes = run_cfg.model.enable_gradient_checkpointing  # TRL runs the same setting
         batches, ordered = prompt_batches(run_cfg, work.steps)
         row["prompt_tokens_per_step"] = [sum(len(i.prompt_ids) for i in batch) * work.n for batch in batches]
         log = (self.logs or self.tmp) / f"{run.name}.log"
         if run.arm.system == "lorarl":
             res = run_lorarl(run, overrides, self.cache, self.tmp, args.run_timeout, log, work.steps)
             steps = lorarl_steps(res["rows"], row["prompt_tokens_per_step"], work.prompts * work.n)
-            row.update(step_row(steps, row["n_params"]), **lorarl_extras(res["rows"]), startup_s=res["startup"])
+            row.update(
+                step_row(steps, row["n_params"], recomputes), **lorarl_extras(res["rows"]), startup_s=res["startup"]
+            )
         else:
             from lorarl.data.dataset import write_parquet
 
@@ -293,7 +296,9 @@ class Bench:
             row.update(
                 launch=res["launch"], earlier_attempts=res["earlier_attempts"], init_s=res["result"].get("init_s")
             )
-            row.update(step_row(trl_steps(res["result"]), row["n_params"]), trl_config=res["result"].get("config"))
+            row.update(
+                step_row(trl_steps(res["result"]), row["n_params"], recomputes), trl_config=res["result"].get("config")
+            )
             row["sync_errors"] = [s["error"] for s in res["result"].get("syncs", []) if "error" in s]
         row["command"] = f"LORARL_CACHE={self.cache} {res['command']}"
         return res

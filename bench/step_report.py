@@ -92,7 +92,7 @@ def run_lines(rows: list[dict]) -> list[str]:
     for row in _in_order(rows):
         b = row.get("breakdown") or {}
         m4, m6 = row.get("mfu_update"), row.get("mfu_update_hw")
-        mfu = "-" if m4 is None else f"{m4:.1%} / {m6:.1%}"
+        mfu = "-" if m4 is None else f"{m4:.1%} / " + ("-" if m6 is None else f"{m6:.1%}")
         note = row["error"].splitlines()[0][:80] if row.get("error") else ""
         retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
         if retries:

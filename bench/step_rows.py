@@ -9,6 +9,7 @@ engine sleep), `other_s` (the rest: rewards, advantages, host work), and `tokens
 
     mfu_update    = 4 N tokens / (update_s x 989e12)   frozen-base LoRA: forward 2N + activation backward 2N
     mfu_update_hw = 6 N tokens / (update_s x 989e12)   plus the forward recomputed by checkpointing
+                                                       (runs that checkpoint only)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MFU_FORMULA = (
     "mfu_update = 4*N*tokens_per_step / (update_s * 989e12): frozen-base LoRA update = forward 2N + "
     "activation-gradient backward 2N per token, no base weight gradients, LoRA matmuls and attention scores "
     "not counted; mfu_update_hw = 6*N*tokens_per_step / (...) also counts the forward recomputed by gradient "
-    "checkpointing. N = all parameters from the shape (embedding included, lm_head again when untied). "
+    "checkpointing, for runs that checkpoint (else '-'). N = all parameters from the shape (embedding included, lm_head again when untied). "
     "update_s: lorarl timing/update (forward+backward+optimizer, no log-prob passes); TRL step minus "
     "_generate_and_score_completions."
 )
@@ -102,18 +103,20 @@ def param_count(dims: dict) -> int:
     return embed + layers * per_layer + d + (0 if dims.get("tie_word_embeddings") else embed)
 
 
-def mfu(n_params: int, tokens: float | None, update_s: float | None) -> dict:
+def mfu(n_params: int, tokens: float | None, update_s: float | None, recomputes: bool) -> dict:
+    """The update's MFU by 4N, and by 6N when activation checkpointing recomputes the forward
+    (without it the GPU does 4N: a 6N figure would count work that never ran)."""
     if not tokens or not update_s:
         return {"mfu_update": None, "mfu_update_hw": None}
     return {
         "mfu_update": 4 * n_params * tokens / (update_s * PEAK_FLOPS),
-        "mfu_update_hw": 6 * n_params * tokens / (update_s * PEAK_FLOPS),
+        "mfu_update_hw": 6 * n_params * tokens / (update_s * PEAK_FLOPS) if recomputes else None,
     }
 
 
-def step_row(steps: list[dict], n_params: int) -> dict:
+def step_row(steps: list[dict], n_params: int, recomputes: bool) -> dict:
     """One run's numbers: every step's seconds, and medians over steps 3+ of the step, each
-    phase and the tokens, with the update's MFU."""
+    phase and the tokens, with the update's MFU (`recomputes`: the run checkpoints activations)."""
     measured = steps[WARMUP_STEPS:]
     breakdown = {key: median([s[key] for s in measured]) for key in PHASES} if measured else {}
     tokens = median([s["tokens"] for s in measured])
@@ -124,7 +127,7 @@ def step_row(steps: list[dict], n_params: int) -> dict:
         "tokens_per_step_each": [s["tokens"] for s in steps],
         "breakdown": breakdown,
         "update_s_each": [s["update_s"] for s in steps],
-        **mfu(n_params, tokens, breakdown.get("update_s")),
+        **mfu(n_params, tokens, breakdown.get("update_s"), recomputes),
     }
 
 
