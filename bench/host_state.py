@@ -12,10 +12,12 @@ so every reading also times a fixed pure-Python loop (`python_loop_us`) and name
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -108,10 +110,11 @@ def cpu_times() -> tuple[float, float] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def mem_available_gib() -> float | None:
+def meminfo_gib(key: str) -> float | None:
+    """A /proc/meminfo entry (`MemAvailable`, `Cached`: the page cache) in GiB."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
         pass
@@ -148,6 +151,29 @@ def python_loop_us(iterations: int = 100_000, repeats: int = 3) -> float:
     return best / iterations * 1e6
 
 
+def kernel_cache_dirs() -> dict[str, Path]:
+    """Where the runs' compiled kernels persist across processes, as the children (which inherit
+    this environment) find them: Triton's (Liger's kernels, vLLM's), Inductor's, vLLM's."""
+    home = Path.home()
+    return {
+        "triton": Path(os.environ.get("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+        "inductor": Path(
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        ),
+        "vllm": Path(
+            os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "vllm"
+        ),
+    }
+
+
+def kernel_cache_files() -> dict[str, int]:
+    """Files in each kernel cache: a run that compiled kernels leaves more than it found, one
+    that found them compiled leaves as many. (A lease's first run of a shape was slower in every
+    step, not only the first; this tells whether it was compiling.)"""
+    return {name: sum(len(files) for _, _, files in os.walk(d)) for name, d in kernel_cache_dirs().items()}
+
+
 def host_state() -> dict:
     """The host and GPU right now: what is recorded before and after every run."""
     return {
@@ -156,7 +182,9 @@ def host_state() -> dict:
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
         "python_loop_us": python_loop_us(),
-        "mem_available_gib": mem_available_gib(),
+        "mem_available_gib": meminfo_gib("MemAvailable"),
+        "page_cache_gib": meminfo_gib("Cached"),
+        "kernel_cache_files": kernel_cache_files(),
         "gpu": gpu_state(),
         "slowdown_us": nvidia_smi(SLOWDOWN_COUNTERS),
     }

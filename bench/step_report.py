@@ -33,6 +33,14 @@ def pair_lines(entries: list[dict]) -> list[str]:
     return lines
 
 
+def _new_cache_files(row: dict) -> str:
+    """'triton +12, vllm +3': files each kernel cache gained during the run (kernels compiled)."""
+    before = (row.get("before") or {}).get("kernel_cache_files") or {}
+    after = (row.get("after") or {}).get("kernel_cache_files") or {}
+    grown = {k: after[k] - before[k] for k in after if k in before and after[k] > before[k]}
+    return ", ".join(f"{k} +{n}" for k, n in grown.items())
+
+
 def variance_lines(entries: list[dict]) -> list[str]:
     lines = [
         "| pair | side | spread | run | step s | update s | gen s | SM MHz median (min) | temp max C | power W | "
@@ -97,6 +105,9 @@ def run_lines(rows: list[dict]) -> list[str]:
         retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
         if retries:
             note = f"{note} allocator retries in the update: {retries:.0f}".strip()
+        compiled = _new_cache_files(row)
+        if compiled:
+            note = f"{note} kernel cache files added: {compiled}".strip()
         steps = " ".join(f"{s:.1f}" for s in row.get("steps_s") or [])
         phases = " | ".join(fmt(b.get(k)) for k in ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s"))
         lines.append(

@@ -284,6 +284,31 @@ def test_the_sampler_records_the_host_during_a_run():
     assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
     assert 0 < state["python_loop_us"] < 100 and state["cpu_model"]
     assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
+    assert state["page_cache_gib"] >= 0 and set(state["kernel_cache_files"]) == {"triton", "inductor", "vllm"}
+
+
+def test_a_run_that_compiled_kernels_says_so(tmp_path, monkeypatch):
+    """Files a kernel cache gained during a run are noted beside it (a lease's first 7B run was
+    slower in every step; compiling is one suspect)."""
+    from bench.step_report import _new_cache_files
+
+    for name, key in (
+        ("triton", "TRITON_CACHE_DIR"),
+        ("inductor", "TORCHINDUCTOR_CACHE_DIR"),
+        ("vllm", "VLLM_CACHE_ROOT"),
+    ):
+        monkeypatch.setenv(key, str(tmp_path / name))
+    (tmp_path / "triton" / "ab12").mkdir(parents=True)
+    before = host_state()
+    for i in range(3):
+        (tmp_path / "triton" / "ab12" / f"k{i}.cubin").write_bytes(b"x")
+    after = host_state()
+    assert (before["kernel_cache_files"], after["kernel_cache_files"]) == (
+        {"triton": 0, "inductor": 0, "vllm": 0},
+        {"triton": 3, "inductor": 0, "vllm": 0},
+    )
+    assert _new_cache_files({"before": before, "after": after}) == "triton +3"
+    assert _new_cache_files({"before": after, "after": after}) == ""
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
