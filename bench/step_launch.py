@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.common import ROOT
 from bench.host_state import run_logged
 from bench.step_plan import Run, Shape, Work, lorarl_correction_overrides, trl_correction_args
-from lorarl.stall_report import STACKS_NAME
+from lorarl.stall_report import STACKS_GLOB
 
 KL_COEF = 0.001
 SMOKE_MICRO = 4  # the tiny smoke run: 4 micro-batches per step, so it takes the accumulation path
@@ -116,7 +116,7 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     cmd = [sys.executable, "-m", "recipes.grpo", f"+backend={run.arm.backend}", *overrides, f"hydra.run.dir={run_dir}"]
     code, text = run_logged(cmd, ROOT, child_env(cache), timeout, log)
     # A worker's unexpected error in full (lorarl.worker_group); where a stalled call waited.
-    reports = [run_dir / "worker_traceback.txt", *sorted(run_dir.glob(STACKS_NAME.format(rank="*")))]
+    reports = [run_dir / "worker_traceback.txt", *sorted(run_dir.glob(STACKS_GLOB))]
     reports = [r for r in reports if r.is_file()]
     if reports:
         text += "".join(f"\n{r.name}:\n{r.read_text(errors='replace')}" for r in reports)

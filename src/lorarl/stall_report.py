@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STACKS_NAME = "worker_stacks_rank{rank}.txt"
+STACKS_GLOB = STACKS_NAME.format(rank="*")  # every rank's, in the run folder
 
 
 def stacks_file(run_dir: Path, rank: int) -> Path:

@@ -20,7 +20,7 @@ from typing import Any
 from lorarl.config import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
 from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
-from lorarl.stall_report import STACKS_NAME
+from lorarl.stall_report import STACKS_GLOB
 from lorarl.worker import Worker, worker_env
 
 # How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
@@ -282,11 +282,7 @@ class WorkerGroup:
     def _report_stall(self, what: str) -> None:
         """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
         that moment (lorarl.worker's watched calls) and go on; so does this wait."""
-        where = (
-            f"{self.run_dir}/{STACKS_NAME.format(rank='*')}"
-            if self.run_dir is not None
-            else "not written (no run folder)"
-        )
+        where = f"{self.run_dir}/{STACKS_GLOB}" if self.run_dir is not None else "not written (no run folder)"
         self.say(
             f"the workers' {what} is still running after trainer.stall_report_s={self.stall_s:g} s; "
             f"their Python stacks at that moment: {where}"
