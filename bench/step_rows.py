@@ -25,7 +25,8 @@ MFU_FORMULA = (
     "mfu_update = 4*N*tokens_per_step / (update_s * 989e12): frozen-base LoRA update = forward 2N + "
     "activation-gradient backward 2N per token, no base weight gradients, LoRA matmuls and attention scores "
     "not counted; mfu_update_hw = 6*N*tokens_per_step / (...) also counts the forward recomputed by gradient "
-    "checkpointing, for runs that checkpoint (else '-'). N = all parameters from the shape (embedding included, lm_head again when untied). "
+    "checkpointing, for runs that checkpoint (else '-'). N = all parameters from the shape (embedding "
+    "included, lm_head again when untied). "
     "update_s: lorarl timing/update (forward+backward+optimizer, no log-prob passes); TRL step minus "
     "_generate_and_score_completions."
 )

@@ -223,10 +223,8 @@ class MegatronEngine:
     def _token_logp(
         self, output: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy: EntropyMode
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log p(token t+1) [b, L-1] from vocab-parallel logits [b, W, V/tp], and the entropy
-        when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
-
+        """log p(token t+1) [b, L-1] from the logits [b, W, V/tp] (vocab-parallel with TP), and the
+        entropy when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
         from lorarl.algorithms import entropy_from_logits, logprobs_and_entropy
 
         if self.tp == 1:
@@ -234,6 +232,9 @@ class MegatronEngine:
             # float32 copies of ~1k positions at a time, where the vocab-parallel cross entropy
             # below holds two of every position's (~15 GB each at the 0.5B preset's budget).
             return logprobs_and_entropy(output, input_ids[:, 1:], temperature, entropy)
+
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
         length = input_ids.shape[1]
         # The division always allocates: vocab_parallel_cross_entropy subtracts the row max from
         # its input in place, which must not be the model's output.
@@ -242,8 +243,7 @@ class MegatronEngine:
         if entropy != "none":
             with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
                 src = logits if entropy == "grad" else logits.detach()
-                full = gather_from_tensor_model_parallel_region(src) if self.tp > 1 else src
-                ent = entropy_from_logits(full)
+                ent = entropy_from_logits(gather_from_tensor_model_parallel_region(src))
             if entropy == "grad":
                 logits = logits.clone()  # the entropy graph still needs these values
         logp = -vocab_parallel_cross_entropy(logits, input_ids[:, 1:].contiguous())
