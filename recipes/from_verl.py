@@ -38,6 +38,7 @@ ON_POLICY = (
 NO_CRITIC = "GRPO trains no critic"
 NO_AGENT = "no agent loop or server: each worker hands token ids to its in-process vLLM engine"
 CHECKPOINT = "a checkpoint always holds what a resume needs (lorarl.checkpoint)"
+ENGINE_ARG = "a vLLM engine argument, passed as given"
 
 
 @dataclass(frozen=True)
@@ -151,9 +152,10 @@ VERL_KEYS: tuple[Key, ...] = (
     Key(A + "rollout.log_prob_micro_batch_size", None, ON_POLICY),
     Key(A + "rollout.log_prob_use_dynamic_bsz", None, ON_POLICY),
     Key(A + "rollout.calculate_log_probs", None, "the sampler's log-probs are always kept"),
-    Key(A + "rollout.max_num_seqs", None, "vLLM's scheduler runs with its own defaults"),
-    Key(A + "rollout.max_num_batched_tokens", None, "vLLM's scheduler runs with its own defaults"),
-    Key(A + "rollout.enable_chunked_prefill", None, "vLLM's scheduler runs with its own defaults"),
+    Key(A + "rollout.max_num_seqs", "+rollout.engine_kwargs.max_num_seqs", ENGINE_ARG),
+    Key(A + "rollout.max_num_batched_tokens", "+rollout.engine_kwargs.max_num_batched_tokens", ENGINE_ARG),
+    Key(A + "rollout.enable_chunked_prefill", "+rollout.engine_kwargs.enable_chunked_prefill", ENGINE_ARG),
+    Key(A + "rollout.engine_kwargs.vllm.*", "+rollout.engine_kwargs.*", ENGINE_ARG + ", any of them by vLLM's name"),
     Key(A + "rollout.agent.num_workers", None, NO_AGENT),
     Key(A + "rollout.val_kwargs.n", "rollout.val_kwargs.n"),
     Key(A + "rollout.val_kwargs.temperature", "rollout.val_kwargs.temperature"),
@@ -224,6 +226,22 @@ VERL_KEYS: tuple[Key, ...] = (
     Key("trainer.balance_batch", None, "prompt groups are split contiguously; micro-batches are cut by tokens"),
 )
 BY_VERL = {k.verl: k for k in VERL_KEYS}
+# Families of keys: `prefix.*` in verl -> the same name under the lorarl row's prefix.
+FAMILIES = [k for k in VERL_KEYS if k.verl.endswith(".*")]
+
+
+def verl_row(key: str) -> tuple[Key | None, str | None]:
+    """The VERL_KEYS row for a verl key and the lorarl key it maps to (None: ignored or unknown)."""
+    row = BY_VERL.get(key)
+    if row is not None:
+        return row, row.to
+    for family in FAMILIES:
+        prefix = family.verl[:-1]
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return family, family.to[:-1] + key[len(prefix) :]
+    return None, None
+
+
 # verl entry points whose config name picks the backend.
 MEGATRON_CONFIGS = ("ppo_megatron_trainer", "ppo_megatron_trainer.yaml")
 
@@ -292,26 +310,26 @@ def translate(args: list[str], model: str | None = None, data: str | None = None
         if arg.startswith("--config-path"):
             continue
         key, value = split_override(arg)
-        row = BY_VERL.get(key)
+        row, to = verl_row(key)
         if row is None:
             unknown.append(key)
             continue
         verl_values[key] = value
         if row.only and value not in row.only:
             raise VerlTranslationError(f"{key}={value}: lorarl supports only {' or '.join(row.only)} ({row.note})")
-        if row.to is None:
+        if to is None:
             ignored.append((key, value, row.note))
             continue
         if row.values and value not in row.values:
             raise VerlTranslationError(f"{key}={value}: use one of {', '.join(row.values)}")
         value = row.values.get(value, value)
-        if row.to == "+backend":
+        if to == "+backend":
             backend = value
             continue
-        if row.to in mapped and mapped[row.to][0] != value:
-            first = mapped[row.to][1]
-            raise VerlTranslationError(f"{first} and {key} both set {row.to} but differ; give them one value")
-        mapped[row.to] = (value, key)
+        if to in mapped and mapped[to][0] != value:
+            first = mapped[to][1]
+            raise VerlTranslationError(f"{first} and {key} both set {to} but differ; give them one value")
+        mapped[to] = (value, key)
     if unknown:
         raise VerlTranslationError(
             f"verl keys with no lorarl equivalent: {', '.join(unknown)}; "

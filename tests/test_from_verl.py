@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from lorarl.config import compose
 from lorarl.errors import ConfigError
-from recipes.from_verl import BY_VERL, VERL_KEYS, VerlTranslationError, script_args, translate
+from recipes.from_verl import VERL_KEYS, VerlTranslationError, script_args, translate, verl_row
 from tests.test_config import compose_job, hydra_compose  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,13 +207,13 @@ def test_verl_launch_translates_with_its_values(hydra_compose, tmp_path, name): 
         if arg.startswith("--"):
             continue
         key, _, value = arg.partition("=")
-        row = BY_VERL[key.lstrip("+")]
-        if row.to is None or row.to == "+backend":
+        row, to = verl_row(key.lstrip("+"))
+        if to is None or to == "+backend":
             continue
         want = parsed(key.lstrip("+"), row.values.get(value, value))
-        got = OmegaConf.select(cfg, row.to)
+        got = OmegaConf.select(cfg, to.lstrip("+"))
         got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
-        assert got == want, f"{key}={value} became {row.to}={got!r}"
+        assert got == want, f"{key}={value} became {to}={got!r}"
         checked += 1
     assert checked >= 30
     ignored = {k for k, _, _ in result.ignored}
@@ -351,7 +351,31 @@ def test_every_lorarl_key_of_the_table_exists(hydra_compose):  # noqa: F811
     fsdp = compose_job(["+backend=fsdp"])
     for row in VERL_KEYS:
         if row.to and row.to != "+backend":
+            # `+a.b.c` adds key c to lorarl's open mapping a.b, which must exist.
+            key = row.to.lstrip("+").rsplit(".", 1)[0] if row.to.startswith("+") else row.to
             assert (
-                OmegaConf.select(cfg, row.to, default="absent") != "absent"
-                or OmegaConf.select(fsdp, row.to, default="absent") != "absent"
+                OmegaConf.select(cfg, key, default="absent") != "absent"
+                or OmegaConf.select(fsdp, key, default="absent") != "absent"
             ), f"{row.verl} maps to {row.to}, which lorarl lacks"
+
+
+def test_vllm_engine_arguments_pass_through_by_their_names(hydra_compose):  # noqa: F811
+    verl = [
+        "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.async_scheduling=True",
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[8,16]",
+    ]
+    overrides = translate(verl).overrides
+    assert overrides[1:] == [
+        "+rollout.engine_kwargs.max_num_batched_tokens=4096",
+        "+rollout.engine_kwargs.async_scheduling=True",
+        "+rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes=[8,16]",
+    ]
+    engine_kwargs = OmegaConf.to_container(compose_job(overrides).rollout.engine_kwargs)
+    assert engine_kwargs == {
+        "max_num_batched_tokens": 4096,
+        "async_scheduling": True,
+        "compilation_config": {"cudagraph_capture_sizes": [8, 16]},
+    }
+    with pytest.raises(VerlTranslationError, match="engine_kwargs.sglang.x"):
+        translate(["+actor_rollout_ref.rollout.engine_kwargs.sglang.x=1"])

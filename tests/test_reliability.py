@@ -240,6 +240,20 @@ def test_architecture_vllm_cannot_serve_with_lora(cache, tmp_path, monkeypatch):
     assert {k.split("/", 1)[1]: v for k, v in known.items()}["GPT2LMHeadModel"] is False
 
 
+def test_vllm_engine_argument_it_does_not_have_or_lorarl_sets(cache, tmp_path, monkeypatch):
+    """rollout.engine_kwargs goes to vLLM as given: a name the installed vLLM lacks fails before
+    Ray starts (its names read once per vLLM version), and so does one lorarl sets itself."""
+    from lorarl.config import compose
+    from lorarl.errors import ConfigError
+
+    err = trainer_error(cache, monkeypatch, tmp_path / "run", "+rollout.engine_kwargs.max_num_seq=4")
+    assert isinstance(err, ConfigError)
+    assert "rollout.engine_kwargs.max_num_seq: vLLM" in str(err) and "did you mean max_num_seqs" in str(err)
+    assert "EngineArgs" in json.loads((cache / "vllm_engine_args.json").read_text()).popitem()[0]
+    with pytest.raises(ConfigError, match="rollout.engine_kwargs.gpu_memory_utilization: .* set rollout.gpu_memory"):
+        compose(["+backend=fsdp", "+rollout.engine_kwargs.gpu_memory_utilization=0.3"])
+
+
 def test_target_module_that_matches_nothing(cache, tmp_path):
     # One typo among valid names: PEFT alone would silently train the other projections only.
     out = grpo(tmp_path, cache, "model.lora.target_modules=[q_proj,vproj]")

@@ -241,9 +241,29 @@ def test_base_sync_into_dummy_engine(tiny_model_path: Path, hf_base, peft_model,
 # ------------------------------------------------------------------- merged mode
 @pytest.fixture(scope="module")
 def merged_rollout(tiny_model_path: Path):
-    r = make_rollout(tiny_model_path, lora_rank=None)
+    # rollout.engine_kwargs: a scheduler limit below the six prompts the tests send at once.
+    r = make_rollout(tiny_model_path, lora_rank=None, engine_kwargs={"max_num_seqs": 4})
     yield r
     r.shutdown()
+
+
+def test_engine_kwargs_reach_vllm_and_lorarls_own_are_refused(merged_rollout):
+    from lorarl.errors import ConfigError
+    from lorarl.rollout.vllm_engine_args import merged
+
+    assert merged_rollout._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 4
+    # A compilation_config mapping adds to lorarl's keys; the user's win where both set one.
+    ours = {"model": "m", "compilation_config": {"cudagraph_specialize_lora": False, "mode": 0}}
+    theirs = {"async_scheduling": True, "compilation_config": {"mode": 3, "cudagraph_capture_sizes": [8]}}
+    assert merged(ours, theirs) == {
+        "model": "m",
+        "async_scheduling": True,
+        "compilation_config": {"cudagraph_specialize_lora": False, "mode": 3, "cudagraph_capture_sizes": [8]},
+    }
+    with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.max_lora_rank: .* set model.lora.rank instead"):
+        merged(ours, {"max_lora_rank": 8})
+    with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.logprobs_mode: lorarl fixes .*; remove it"):
+        merged(ours, {"logprobs_mode": "raw_logprobs"})
 
 
 def test_merged_mode_matches_hf_peft_merged(merged_rollout, peft_model, hf_base, prompts):

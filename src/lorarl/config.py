@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lorarl.errors import ConfigError
+from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
 from lorarl.schema import (  # noqa: F401  (the schemas are part of this module's interface)
     HF_LINEAR_PROJECTIONS,
     VLLM_LORA_UNSUPPORTED,
@@ -124,6 +125,7 @@ def validate(run: RunConfig) -> None:
     for name in GROUPS:
         getattr(run, name).check()
     check_batch_split(run)
+    check_not_set_by_lorarl(run.rollout.engine_kwargs)
     r, lora, d = run.rollout, run.model.lora, run.data
     check(
         d.gen_batch_size is None or (run.algorithm.filter_groups.enable and d.gen_batch_size >= d.train_batch_size),

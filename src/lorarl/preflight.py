@@ -18,6 +18,7 @@ from typing import Any
 from lorarl.config import VLLM_LORA_UNSUPPORTED, RunConfig, cache_dir
 from lorarl.engines import backend_of
 from lorarl.errors import ModelError, first_line
+from lorarl.rollout.vllm_engine_args import check_known
 
 # A hub id is "name" or "org/name"; anything else that does not exist is a mistyped local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -84,8 +85,8 @@ def _vllm_version() -> str | None:
     return None
 
 
-# Run in a child process: importing vLLM sets torch and environment state the driver should
-# not inherit, and a model module may touch the GPU. Prints yes, no, or unknown.
+# Asked in a child process: importing vLLM sets torch and environment state the driver should
+# not inherit, and a model module may touch the GPU. Each prints one line: its answer.
 _VLLM_LORA_PROBE = """
 import sys
 from vllm.model_executor.models import ModelRegistry
@@ -94,23 +95,25 @@ arch = sys.argv[1]
 cls = ModelRegistry._try_load_model_cls(arch) if arch in ModelRegistry.get_supported_archs() else None
 print("unknown" if cls is None else ("yes" if supports_lora(cls) else "no"))
 """
+_VLLM_ENGINE_ARGS_PROBE = """
+import dataclasses, json
+from vllm.engine.arg_utils import EngineArgs
+print(json.dumps(sorted(f.name for f in dataclasses.fields(EngineArgs))))
+"""
 
 
-def vllm_supports_lora(arch: str) -> bool | None:
-    """Whether vLLM's own implementation of `arch` serves LoRA adapters.
-
-    None when vLLM has no implementation of its own (it then tries its Transformers backend and
-    decides at load time) or its registry cannot be read. Asking costs a process that imports
-    vLLM (seconds), so the answer is cached per vLLM version in the lorarl cache.
-    """
+def _ask_vllm(cache_name: str, question: str, script: str, *argv: str, parse):
+    """`parse` of the probe's last line, or None when vLLM is not installed or the probe failed.
+    Asking costs a process that imports vLLM (seconds), so answers are kept per vLLM version in
+    the lorarl cache (`cache_name`, keyed "<version>/<question>")."""
     import subprocess
     import sys
 
     version = _vllm_version()
     if version is None:
         return None
-    cache = Path(cache_dir()) / "vllm_lora_support.json"
-    key = f"{version}/{arch}"
+    cache = Path(cache_dir()) / cache_name
+    key = f"{version}/{question}"
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -120,14 +123,17 @@ def vllm_supports_lora(arch: str) -> bool | None:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", _VLLM_LORA_PROBE, arch], capture_output=True, text=True, timeout=600, env=env
+            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=600, env=env
         )
     except subprocess.TimeoutExpired:
         return None
-    verdict = probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else ""
-    if verdict not in ("yes", "no", "unknown"):
-        return None  # the probe itself failed; vLLM reports any real problem when it loads the model
-    answer = None if verdict == "unknown" else verdict == "yes"
+    lines = probe.stdout.strip().splitlines() if probe.returncode == 0 else []
+    try:
+        answer = parse(lines[-1]) if lines else None
+    except ValueError:
+        answer = None
+    if answer is None:
+        return None  # the probe itself failed; vLLM reports any real problem when it starts
     known[key] = answer
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +143,35 @@ def vllm_supports_lora(arch: str) -> bool | None:
     except OSError:
         pass  # a read-only cache only costs the next run the same question
     return answer
+
+
+def vllm_supports_lora(arch: str) -> bool | None:
+    """Whether vLLM's own implementation of `arch` serves LoRA adapters.
+
+    None when vLLM has no implementation of its own (it then tries its Transformers backend and
+    decides at load time) or its registry cannot be read.
+    """
+    verdicts = {"yes": True, "no": False, "unknown": "unknown"}
+
+    def parse(line: str):
+        if line not in verdicts:
+            raise ValueError(line)
+        return verdicts[line]
+
+    answer = _ask_vllm("vllm_lora_support.json", arch, _VLLM_LORA_PROBE, arch, parse=parse)
+    return answer if isinstance(answer, bool) else None
+
+
+def vllm_engine_arg_names() -> list[str] | None:
+    """The installed vLLM's engine arguments (vllm.EngineArgs fields), or None."""
+
+    def parse(line: str) -> list[str]:
+        names = json.loads(line)
+        if not isinstance(names, list):
+            raise ValueError(line)
+        return names
+
+    return _ask_vllm("vllm_engine_args.json", "EngineArgs", _VLLM_ENGINE_ARGS_PROBE, parse=parse)
 
 
 def check_vllm_lora(path: str, archs: list[str]) -> None:
@@ -196,6 +231,14 @@ def check_weights_format(path: str) -> None:
             f"model.path={path!r} has no *.safetensors weights{found}; convert the checkpoint to safetensors "
             "(model.save_pretrained(dir, safe_serialization=True)) and point model.path at it"
         )
+
+
+def check_engine_kwargs(run: RunConfig) -> None:
+    """Every rollout.engine_kwargs name is an engine argument of the installed vLLM."""
+    kwargs = run.rollout.engine_kwargs
+    names = vllm_engine_arg_names() if kwargs else None
+    if names is not None:
+        check_known(kwargs, frozenset(names), _vllm_version() or "")
 
 
 def check_model(run: RunConfig):

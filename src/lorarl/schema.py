@@ -198,6 +198,9 @@ class RolloutConfig:
     max_model_len: int | None = MISSING
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
     adapter_transport: str = MISSING
+    # vLLM engine arguments by vLLM's names (vllm.EngineArgs), passed through as given; the
+    # ones lorarl sets from its own keys are refused (lorarl.rollout.vllm_engine_args).
+    engine_kwargs: dict[str, Any] = MISSING
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def check(self) -> None:

@@ -104,7 +104,7 @@ def run(cfg: DictConfig) -> float | None:
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
         from lorarl.data.batches import prompt_batches
-        from lorarl.preflight import check_model, load_tokenizer
+        from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
         from lorarl.rewards import check_items
 
         t0 = time.perf_counter()
@@ -123,6 +123,7 @@ class GRPOTrainer:
         prepare_data(run)
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
+        check_engine_kwargs(run)
         check_model_shape(
             run,
             hf_cfg.num_attention_heads,

@@ -158,6 +158,7 @@ class Worker:
             adapter_transport=r.adapter_transport,
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
+            engine_kwargs=r.engine_kwargs,
         )
         t1 = time.perf_counter()
         self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed)

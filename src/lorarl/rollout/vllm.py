@@ -27,7 +27,7 @@ from lorarl.errors import ConfigError, SyncError
 from lorarl.expert_lora import is_moe_checkpoint
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_worker
+from lorarl.rollout import engine_process, vllm_engine_args, vllm_worker
 from lorarl.rollout.vllm_dtype import engine_dtype
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
@@ -64,8 +64,8 @@ class VLLMRollout(FingerprintReads):
         enable_sleep_mode: bool = False,
         adapter_transport: AdapterTransport = "tmpfs",
         kv_cache_bytes: int | None = None,
-        max_num_seqs: int | None = None,
         trust_remote_code: bool = False,
+        engine_kwargs: dict | None = None,
         fingerprint_base: bool = False,
     ) -> None:
         """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
@@ -123,8 +123,6 @@ class VLLMRollout(FingerprintReads):
             # rollout-mismatch metrics and correction compare the two).
             logprobs_mode="processed_logprobs",
         )
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
         if kv_cache_bytes is None and self._is_cpu:
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         if kv_cache_bytes is not None:
@@ -137,6 +135,8 @@ class VLLMRollout(FingerprintReads):
             # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
             # per mode there: 51 sizes x [no adapter, adapter]).
             kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
+
+        kwargs = vllm_engine_args.merged(kwargs, engine_kwargs or {})
 
         engine_process.first_engine_in_process()
         with engine_process.process_state_kept():

@@ -1,0 +1,73 @@
+"""rollout.engine_kwargs: vLLM engine arguments passed through as vLLM names them.
+
+vLLM has some 250 engine arguments (the fields of vllm.EngineArgs, which `vllm.LLM(**kwargs)`
+takes); lorarl sets a few from its own keys and passes any others as given, as verl's
+`rollout.engine_kwargs.vllm` does: the scheduler's `max_num_seqs` and `max_num_batched_tokens`,
+`async_scheduling`, `compilation_config` (CUDA-graph sizes and mode), ... A key lorarl sets is
+refused, naming the key that sets it (two spellings of one setting could disagree). Other names
+are checked against the installed vLLM before anything starts (lorarl.preflight).
+
+This module imports nothing of vLLM: the config's own check uses it in the driver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorarl.errors import ConfigError
+
+# Engine arguments lorarl sets, and the key that sets each ("" when it is fixed: the reason).
+SET_BY_LORARL: dict[str, tuple[str, str]] = {
+    "model": ("model.path", ""),
+    "tokenizer": ("model.path", ""),
+    "dtype": ("rollout.dtype", ""),
+    "seed": ("trainer.seed", ""),
+    "max_model_len": ("rollout.max_model_len", ""),
+    "tensor_parallel_size": ("rollout.tensor_model_parallel_size", ""),
+    "enable_expert_parallel": ("rollout.enable_expert_parallel", ""),
+    "load_format": ("rollout.load_format", ""),
+    "enforce_eager": ("rollout.enforce_eager", ""),
+    "enable_sleep_mode": ("rollout.free_cache_engine", ""),
+    "gpu_memory_utilization": ("rollout.gpu_memory_utilization", ""),
+    "kv_cache_memory_bytes": ("rollout.gpu_memory_utilization", ""),
+    "trust_remote_code": ("model.trust_remote_code", ""),
+    "enable_lora": ("model.lora.merge", ""),
+    "max_lora_rank": ("model.lora.rank", ""),
+    "max_loras": ("", "the engine serves one adapter, the policy's"),
+    "logprobs_mode": ("", "the trainer compares its log-probs with vLLM's after the temperature"),
+    "distributed_executor_backend": ("", "each worker holds its engine in its own process"),
+}
+
+
+def check_not_set_by_lorarl(engine_kwargs: dict[str, Any]) -> None:
+    """ConfigError for the first engine argument that lorarl sets from a key of its own."""
+    for name in engine_kwargs:
+        if name in SET_BY_LORARL:
+            key, fixed = SET_BY_LORARL[name]
+            raise ConfigError(
+                f"rollout.engine_kwargs.{name}: lorarl sets vLLM's {name} from {key}; set {key} instead"
+                if key
+                else f"rollout.engine_kwargs.{name}: lorarl fixes vLLM's {name} ({fixed}); remove it"
+            )
+
+
+def check_known(engine_kwargs: dict[str, Any], names: frozenset[str], version: str) -> None:
+    """ConfigError for the first engine argument that the installed vLLM does not have."""
+    import difflib
+
+    for name in engine_kwargs:
+        if name not in names:
+            close = difflib.get_close_matches(name, sorted(names), n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else "see vllm.EngineArgs"
+            raise ConfigError(f"rollout.engine_kwargs.{name}: vLLM {version} has no engine argument {name}; {hint}")
+
+
+def merged(lorarl_kwargs: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` kwargs: lorarl's, then the user's; a `compilation_config` mapping is merged key
+    by key (lorarl sets one of its keys when LoRA is on), with the user's keys winning."""
+    check_not_set_by_lorarl(engine_kwargs)
+    out = {**lorarl_kwargs, **engine_kwargs}
+    ours, theirs = lorarl_kwargs.get("compilation_config"), engine_kwargs.get("compilation_config")
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out["compilation_config"] = {**ours, **theirs}
+    return out
