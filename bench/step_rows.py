@@ -58,7 +58,8 @@ def lorarl_steps(metrics: list[dict], prompt_tokens: list[int], completions: int
                     "gen_s": r.get("timing/gen", 0.0),
                     "logp_s": r.get("timing/ref_logp", 0.0) + r.get("timing/old_logp", 0.0),
                     "update_s": r.get("timing/update", 0.0),
-                    "sync_s": r.get("timing/sync", 0.0),
+                    # The driver's sync call includes waking a sleeping rollout, counted below.
+                    "sync_s": r.get("timing/sync", 0.0) - r.get("timing/wake", 0.0),
                     "sleep_wake_s": r.get("timing/sleep", 0.0) + r.get("timing/wake", 0.0),
                     "tokens": tokens,
                 }

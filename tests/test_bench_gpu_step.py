@@ -224,6 +224,11 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
         steps = lorarl_steps([_metrics(s, ours, 0.6) for s in range(1, 7)], [5600] * 6, completions=256)
         row = step_row(steps, n_params, recomputes=False)
         assert steps[0]["other_s"] == pytest.approx(ours - 0.5 - 0.6 - 0.1)
+        # A sleeping rollout: the driver's sync call includes the wake, a phase of its own here.
+        (slept,) = lorarl_steps([{**_metrics(1, ours, 0.6), "timing/sync": 0.4, "timing/sleep": 0.2,
+                                  "timing/wake": 0.3}], [5600], completions=256)  # fmt: skip
+        assert (slept["sync_s"], slept["sleep_wake_s"]) == pytest.approx((0.1, 0.5))
+        assert slept["other_s"] == pytest.approx(ours - 0.5 - 0.6 - 0.1 - 0.5)
         assert row["tokens_per_step"] == 5600 + 128 * 256
         rows.append({"run": f"lorarl-r{repeat}", "system": "lorarl", "arm": "lorarl-fsdp-adapter", "shape": "0.5b", "kl": False,
                      "correction": "none", "repeat": repeat, **row})  # fmt: skip

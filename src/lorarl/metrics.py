@@ -191,7 +191,12 @@ METRICS: tuple[Metric, ...] = (
     # Time of the step's parts.
     M("timing/gen", "sampling the step's groups and scoring them", "s", "driver"),
     M("timing/train", "the update call, as the driver waits for it", "s", "driver"),
-    M("timing/sync", "the sync call, as the driver waits for it (checks included)", "s", "driver"),
+    M(
+        "timing/sync",
+        "the sync call, as the driver waits for it (checks and a sleeping rollout's wake included)",
+        "s",
+        "driver",
+    ),
     M("timing/step", "the whole step", "s", "driver"),
     M("timing/update", "the PPO update inside the worker", "s", "worker"),
     M("timing/old_logp", "the old log-prob pass (several epochs or mini-batches only)", "s", "worker"),
