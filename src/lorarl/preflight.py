@@ -5,6 +5,8 @@ arrives wrapped in another process's traceback. Everything here reads only confi
 builds the module tree on the meta device (no weights) and asks vLLM's model registry (once per
 architecture and vLLM version), so a wrong model.path, a model that is not a causal LM, an
 architecture vLLM cannot serve with LoRA, or LoRA targets that match nothing stop the run at once.
+So does a rollout.engine_kwargs name the installed vLLM lacks (its engine arguments are read
+once per vLLM version), which vLLM would only report once the worker starts its engine.
 """
 
 from __future__ import annotations
