@@ -153,6 +153,26 @@ def test_logprobs_and_entropy_in_each_entropy_mode():
     assert logits.grad[:, 5:].abs().max() == 0
 
 
+def test_megatron_engine_at_one_tp_rank_scores_each_next_token():
+    """MegatronEngine._token_logp at TP=1, the path that imports nothing of Megatron: the model's
+    logits [b, L, V] for ids [b, L] give log p(ids[:, t+1]) [b, L-1] and the entropy metric, and
+    the gradient reaches every position but the last."""
+    from lorarl.engines.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.__new__(MegatronEngine)  # the method reads only the TP size
+    engine.tp = 1
+    gen = torch.Generator().manual_seed(9)
+    output = (torch.randn(2, 7, 30, generator=gen) * 2).requires_grad_()
+    ids = torch.randint(0, 30, (2, 7), generator=gen)
+    logp, entropy = engine._token_logp(output, ids, 0.8, "metric")
+    lsm = (output.detach().double()[:, :6] / 0.8).log_softmax(-1)
+    assert logp.shape == entropy.shape == (2, 6)
+    assert (logp.double() - lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)).abs().max() < 1e-5
+    assert (entropy.double() + (lsm.exp() * lsm).sum(-1)).abs().max() < 1e-5
+    logp.sum().backward()
+    assert output.grad[:, 6].abs().max() == 0 and output.grad[:, :6].abs().min() > 0
+
+
 def test_token_logprobs_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="token_logprobs wants"):
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
