@@ -90,19 +90,13 @@ def trl_steps(result: dict) -> list[dict]:
 
 
 def param_count(dims: dict) -> int:
-    """All parameters of a Qwen2 with these dims (q/k/v biases, two norms per layer, final norm)."""
-    d, inter, layers, vocab = (
-        dims["hidden_size"],
-        dims["intermediate_size"],
-        dims["num_hidden_layers"],
-        dims["vocab_size"],
-    )
-    head_dim = dims.get("head_dim") or d // dims["num_attention_heads"]
-    q, kv = dims["num_attention_heads"] * head_dim, dims["num_key_value_heads"] * head_dim
-    attn = d * q + q + 2 * (d * kv + kv) + q * d
-    per_layer = attn + 3 * d * inter + 2 * d
-    embed = vocab * d
-    return embed + layers * per_layer + d + (0 if dims.get("tie_word_embeddings") else embed)
+    """All parameters of a Qwen2 with these config.json dims (q/k/v biases, two norms per layer,
+    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights."""
+    from types import SimpleNamespace
+
+    from lorarl.memory import ModelDims, weight_numel
+
+    return weight_numel(ModelDims.of(SimpleNamespace(**dims)), tied_head=bool(dims.get("tie_word_embeddings")))
 
 
 def mfu(n_params: int, tokens: float | None, update_s: float | None, recomputes: bool) -> dict:
