@@ -11,6 +11,7 @@ once per vLLM version), which vLLM would only report once the worker starts its 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -76,7 +77,9 @@ def check_causal_lm(path: str, hf_cfg: Any) -> list[str]:
     return archs
 
 
+@functools.cache
 def _vllm_version() -> str | None:
+    """The installed vLLM's version (one scan of the installed packages per process)."""
     from importlib import metadata
 
     for dist in metadata.packages_distributions().get("vllm", []):
