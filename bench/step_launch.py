@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import ROOT
 from bench.host_state import run_logged
-from bench.step_plan import Run, Shape, Work, lorarl_correction_overrides, trl_correction_args
+from bench.step_plan import Run, Shape, Work, lorarl_correction_overrides, override_key, trl_correction_args
 from lorarl.stall_report import STACKS_GLOB
 
 KL_COEF = 0.001
@@ -82,8 +82,8 @@ def lorarl_overrides(run: Run, shape: Shape, work: Work, model: Path, cpu: bool,
 def last_setting_wins(overrides: list[str]) -> list[str]:
     """Hydra overrides with each key once, at its last setting (an --override or a variant over
     the bench's own), so the recorded command says what ran."""
-    last = {o.split("=", 1)[0].lstrip("+~"): i for i, o in enumerate(overrides)}
-    return [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0].lstrip("+~")] == i]
+    last = {override_key(o): i for i, o in enumerate(overrides)}
+    return [o for i, o in enumerate(overrides) if last[override_key(o)] == i]
 
 
 def compose_run(backend: str, overrides: list[str], cache: Path):

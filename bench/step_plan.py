@@ -125,6 +125,11 @@ VARIANT_KEYS = ("actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_p
 NOT_VARIANT_KEYS = ("rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "trainer.total_steps")
 
 
+def override_key(override: str) -> str:
+    """The config key a Hydra override sets: `+a.b=1`, `~a.b`, `a.b=1` -> `a.b`."""
+    return override.partition("=")[0].lstrip("+~")
+
+
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     """`NAME:KEY=VALUE [KEY=VALUE ...]` -> (NAME, overrides); ValueError naming what is wrong."""
     name, _, rest = text.partition(":")
@@ -132,7 +137,7 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     if not re.fullmatch(r"[a-z0-9_]+", name) or not overrides:
         raise ValueError(f"--variant {text!r}: use NAME:KEY=VALUE [KEY=VALUE ...], NAME of a-z, 0-9 and _")
     for o in overrides:
-        key = o.partition("=")[0].lstrip("+~")
+        key = override_key(o)
         allowed = (key.startswith(VARIANT_PREFIXES) or key in VARIANT_KEYS) and key not in NOT_VARIANT_KEYS
         if "=" not in o or not allowed:
             settable = [p + "*" if p.endswith(".") else p for p in VARIANT_PREFIXES] + list(VARIANT_KEYS)
