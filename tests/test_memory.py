@@ -3,6 +3,8 @@ sleep decision it drives."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -93,6 +95,36 @@ def test_a_measured_peak_decides_again():
     assert not plan_from_peak(69 * GIB, 30 * GIB, tokens=4096, max_tokens=8192).sleeps
     # One sequence longer than the budget makes a larger micro-batch; it is not scaled down.
     assert plan_from_peak(34 * GIB, 30 * GIB, tokens=9000, max_tokens=8192).sleeps  # 35 GiB with margin
+
+
+def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
+    """The worker's re-plan after measured updates (one rank, over gloo): a peak that does not fit
+    keeps the sleep and says why once; a later one that fits wakes the rollout for good."""
+    import torch.distributed as dist
+
+    from lorarl.config import compose
+    from lorarl.messages import SyncReport
+    from lorarl.rollout_sleep import RolloutSleep
+
+    sleep = RolloutSleep.__new__(RolloutSleep)  # the GPU-only setup replaced by its outcome
+    sleep.run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
+    sleep.device, sleep.dp_size = torch.device("cpu"), 1
+    sleep.plan, sleep._free_awake = plan_sleep(None, 70 * GIB, 60 * GIB), 70 * GIB
+    sleep._update_peak, sleep._some_rank_sleeps, sleep._said_still_asleep = None, True, False
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        said = []
+        for peak in (120, 119, 30, 120):  # GiB, each over micro-batches of 4096 tokens
+            sleep.record_update(peak * GIB, 4096)
+            said.append(sleep.replan())
+    finally:
+        dist.destroy_process_group()
+    kept, again, woke, after = said
+    assert "rollout sleeps" in kept and "peaked at 120.0 GiB" in kept and "70.0 GiB free" in kept
+    assert again is None and "rollout stays awake" in woke and after is None and not sleep.sleeps
+    # Whichever worker says it, the merged report carries it.
+    quiet = SyncReport("adapter", 0, 0, 0.0, 0.0, 0.0, 0.0)
+    assert SyncReport.merge([quiet, dataclasses.replace(quiet, sleep_plan=kept)]).sleep_plan == kept
 
 
 def test_the_largest_micro_batch_a_run_allows():

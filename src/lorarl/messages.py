@@ -196,7 +196,8 @@ class SyncReport:
     logprob_ref_diff_mean: float | None = None
     probe_seconds: float | None = None
     wake_seconds: float | None = None  # waking vLLM's weights and cache (only when it sleeps)
-    # A changed sleep plan, taking effect at the next update: said on the console, not logged.
+    # A changed sleep plan, taking effect at the next update, or the measured reason a sleep is
+    # kept (said once): on the console, not logged.
     sleep_plan: str | None = None
 
     @classmethod
@@ -216,9 +217,12 @@ class SyncReport:
     @staticmethod
     def merge(reports: list[SyncReport]) -> SyncReport:
         """The workers' reports as one: the first worker's, with the probe's worst token and the
-        adapter count taken over all of them."""
+        adapter count taken over all of them, and the first sleep plan any of them says."""
         first = reports[0]
-        worst = {"num_adapters": max(r.num_adapters for r in reports)}
+        worst = {
+            "num_adapters": max(r.num_adapters for r in reports),
+            "sleep_plan": next((r.sleep_plan for r in reports if r.sleep_plan), None),
+        }
         if first.logprob_diff_max is not None:
             worst["logprob_diff_max"] = max(r.logprob_diff_max for r in reports)
             worst["logprob_diff_mean"] = max(r.logprob_diff_mean for r in reports)

@@ -36,6 +36,7 @@ class RolloutSleep:
         self.run, self.device, self.rollout, self.dp_size = run, device, rollout, dp_size
         self._free_awake = 0  # bytes free beside the awake engine, measured in setup (GPU)
         self._update_peak: tuple[int, int] | None = None  # (bytes, largest micro-batch's tokens)
+        self._said_still_asleep = False
         self.plan = self._initial_plan()
         # The same on every rank: whether re-planning can change anything.
         self._some_rank_sleeps = device.type == "cuda" and not all_ranks(not self.plan.sleeps, device)
@@ -97,7 +98,7 @@ class RolloutSleep:
         (memory.plan_from_peak). Collective while any rank sleeps (decided once in setup, so no
         step pays for it after), because all ranks must agree: one that does not fit keeps every
         rank's plan as it was. Called awake, so a changed plan takes effect at the next sleep. Returns the new plan, as a
-        line for the log, when it changed."""
+        line for the log, when it changed, and the measured plan the first time it keeps the sleep."""
         measured, self._update_peak = self._update_peak, None
         if measured is None or not self._some_rank_sleeps or self.run.rollout.free_cache_engine is not None:
             return None
@@ -105,7 +106,10 @@ class RolloutSleep:
         if plan.sleeps:
             plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
         if not all_ranks(not plan.sleeps, self.device):
-            return None
+            # Still asleep: the measured reason is said once (on the ranks whose own peak does
+            # not fit), so that a log shows why a run keeps paying for the sleep.
+            said, self._said_still_asleep = self._said_still_asleep, True
+            return None if said or not plan.sleeps else str(plan)
         self._some_rank_sleeps = False
         if plan is self.plan:
             return None
