@@ -148,6 +148,8 @@ def lorarl_extras(rows: list[dict]) -> dict:
         "sync_bytes": rows[-1].get("sync/bytes") if rows else None,
         "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
         "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        # What the update itself added (the log-prob passes included): what decides the sleep.
+        "memory_update_peak_gib": max((r.get("memory/update_peak_gib", 0.0) for r in rows), default=None),
         # The caching allocator freeing its cache to retry an allocation (a device-wide wait) in the update.
         "update_alloc_retries": [r.get("memory/alloc_retries") for r in rows],
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.

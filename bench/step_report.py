@@ -105,6 +105,10 @@ def run_lines(rows: list[dict]) -> list[str]:
         retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
         if retries:
             note = f"{note} allocator retries in the update: {retries:.0f}".strip()
+        peak = row.get("memory_update_peak_gib")
+        if peak:
+            slept = " (rollout asleep)" if (b.get("sleep_wake_s") or 0) > 0 else ""
+            note = f"{note} update peak {peak:.1f} GiB{slept}".strip()
         compiled = _new_cache_files(row)
         if compiled:
             note = f"{note} kernel cache files added: {compiled}".strip()

@@ -316,6 +316,17 @@ def test_a_run_that_compiled_kernels_says_so(tmp_path, monkeypatch):
     assert _new_cache_files({"before": after, "after": after}) == ""
 
 
+def test_the_runs_table_notes_the_updates_own_peak_and_a_sleeping_rollout():
+    """The update's own peak decides the sleep; the runs table gives it beside the sleep it caused."""
+    from bench.step_report import run_lines
+
+    row = {"run": "lorarl-megatron-adapter-0.5b-klon-token_tis-r1", "correction": "token_tis", "order": 1,
+           "memory_update_peak_gib": 120.04, "breakdown": {"sleep_wake_s": 0.54}}  # fmt: skip
+    assert "update peak 120.0 GiB (rollout asleep)" in run_lines([row])[-1]
+    row["breakdown"]["sleep_wake_s"] = 0.0
+    assert run_lines([row])[-1].rstrip(" |").endswith("update peak 120.0 GiB")
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_path):
     from bench.step_launch import compose_run, lorarl_overrides, trl_args
