@@ -154,11 +154,13 @@ def test_engine_calls_use_real_keywords(src):
         calls = [c for f in FILES for c in _calls(PKG / f, callee)]
         assert calls, f"no call to {callee} found (the table is stale)"
         for call in calls:
-            if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            if any(isinstance(a, ast.Starred) for a in call.args):
                 continue
+            # A `**mapping` is checked where it is built (the model call's `half`, below).
+            named = {k.arg: None for k in call.keywords if k.arg is not None}
             for sig in candidates:
                 try:
-                    sig.bind_partial(*[None] * len(call.args), **{k.arg: None for k in call.keywords})
+                    sig.bind_partial(*[None] * len(call.args), **named)
                 except TypeError as e:
                     pytest.fail(f"{callee}(... line {call.lineno}) does not fit the real signature {sig}: {e}")
             checked += 1
@@ -186,3 +188,17 @@ def test_parallel_state_and_optimizer_members_exist(src):
     assert "zero_grad_buffer" in ddp.methods
     model_cfg = src.api(src.mc / "transformer/transformer_config.py", "TransformerConfig")
     assert {"finalize_model_grads_func", "grad_scale_func"} <= set(model_cfg.fields)
+
+
+def test_logits_come_back_in_the_models_precision(src):
+    """The engine asks Megatron's half-precision wrapper (Float16Module, which Megatron-Bridge
+    applies for bf16/fp16) for logits in the model's dtype: the wrapper's default upcast made a
+    float32 copy of every position's logits that the loss kept for its backward. GPTModel itself
+    has no such keyword, so the engine passes it only when the wrapper is there (not float32)."""
+    wrapper = _function(src.mc / "transformer/module.py", "forward", "Float16Module")
+    assert wrapper.parameters["fp32_output"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "fp32_output" not in _function(src.mc / "models/gpt/gpt_model.py", "forward", "GPTModel").parameters
+    engine = (PKG / "engine.py").read_text()
+    assert '{"fp32_output": False} if self.compute_dtype != torch.float32 else {}' in engine
+    (call,) = [c for c in _calls(PKG / "engine.py", "model") if any(k.arg == "input_ids" for k in c.keywords)]
+    assert any(k.arg is None and ast.unparse(k.value) == "half" for k in call.keywords)

@@ -171,13 +171,15 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     assert (need[1] - need[0]) / GIB == pytest.approx(14.5, abs=0.5)
 
 
-def test_megatron_counts_its_head_at_every_position():
+def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     """Megatron's head runs at every position. On one TP rank its loss is the FSDP engine's
-    blockwise log-softmax (2 + 2 + 2 bytes a logit: the logits, their gradient, a float32 block);
-    split over TP ranks it is the vocab-parallel cross entropy, which holds two float32 copies of
-    every position's (2 + 4 + 4 bytes a logit). With those copies at one rank the estimate at the
-    benchmark's 0.5B work was 75.0 GiB, and the awake run failed in its first update beside the
-    80.6 GiB free on the H200 (bench/results/gpu_step_2026-12-04b_megatron.md)."""
+    blockwise log-softmax over the logits in bf16 (2 + 2 + 2 bytes a logit: the logits, their
+    gradient, a float32 block); split over TP ranks it is the vocab-parallel cross entropy, which
+    holds two float32 copies of every position's (2 + 4 + 4 bytes a logit). With those copies at
+    one rank the estimate at the benchmark's 0.5B work was 75.0 GiB, and the awake run failed in
+    its first update beside the 80.6 GiB free on the H200 (gpu_step_2026-12-04b_megatron.md).
+    Its local spec's attention materialises the probabilities: a float32 softmax and its bf16
+    copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
     from lorarl.config import compose
     from lorarl.memory import run_update_bytes
@@ -193,12 +195,18 @@ def test_megatron_counts_its_head_at_every_position():
         run = compose([*extra, *work])
         need[name] = run_update_bytes(run, dims, dp_size=1, model_parallel=run.backend.model_parallel_size())
     tokens, vocab = 24_576, dims.vocab  # the preset's token budget, all under the head
+    width = run.data.max_prompt_length + run.data.max_response_length
+    scores = tokens * dims.layers * dims.heads * width * (4 + 2)
+    assert scores / GIB == pytest.approx(8.86, abs=0.01)  # at 192 positions; 16x that at 768
     head = 3 * tokens * vocab * 2
-    assert need["megatron"] / GIB == pytest.approx(75.0 - tokens * vocab * 10 / GIB + head / GIB, abs=0.05)
-    assert need["fsdp"] < need["megatron"] < 75.0 * GIB
-    # Two TP ranks: each holds half of everything, the float32 copies included.
-    assert need["megatron_tp2"] * 2 / GIB == pytest.approx(75.0, abs=0.05)
-    assert not plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["fsdp"]).sleeps
+    without_copies = 75.0 - tokens * vocab * 10 / GIB + head / GIB
+    assert need["megatron"] / GIB == pytest.approx(without_copies + scores / GIB, abs=0.05)
+    assert need["fsdp"] < need["megatron"] < 75.0 * GIB + scores
+    # Two TP ranks: each holds half of everything, the float32 copies and the scores included.
+    assert need["megatron_tp2"] * 2 / GIB == pytest.approx(75.0 + scores / GIB, abs=0.05)
+    # Over TransformerEngine's fused attention nothing of the kind is kept.
+    te = compose(["+backend=megatron", "backend.transformer_impl=transformer_engine", *work])
+    assert run_update_bytes(te, dims, dp_size=1, model_parallel=1) == need["megatron"] - scores
 
 
 def test_the_switch_to_awake_needs_every_rank():

@@ -98,6 +98,7 @@ def update_bytes(
     head_at_every_position: bool = False,
     vocab_parallel: bool = False,
     gathered_weights_held: bool = False,
+    attention_scores_width: int = 0,
 ) -> int:
     """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
     `response_tokens` of them under the LM head, or all of them with `head_at_every_position`;
@@ -105,8 +106,11 @@ def update_bytes(
     LoRA weights, gradients and AdamW state (float32: 16 bytes per parameter), plus
     with `gathered_weights_held` every layer's gathered weights, which FSDP2 keeps from forward
     to backward under `backend.reshard_after_forward=false` (one full copy, whatever the world
-    size: at 7B +14.5 GiB measured, bench/results/update_profile_2026-12-04c)."""
-    per_layer = layer_activation_bytes(d, dtype_bytes)
+    size: at 7B +14.5 GiB measured, bench/results/update_profile_2026-12-04c), plus with
+    `attention_scores_width` the attention probabilities of an attention that materialises them
+    over rows that wide (Megatron's local spec: its softmax's float32 output and the copy in the
+    model's dtype that the value matmul keeps, per token and head; quadratic in the length)."""
+    per_layer = layer_activation_bytes(d, dtype_bytes) + d.heads * attention_scores_width * (4 + dtype_bytes)
     if checkpointing:  # each layer keeps its input; one layer is recomputed in full at a time
         activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
     else:
@@ -153,6 +157,7 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
         head_at_every_position=backend.head_at_every_position,
         vocab_parallel=backend.head_at_every_position and getattr(run.backend, "tensor_model_parallel_size", 1) > 1,
         gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False,
+        attention_scores_width=seq if getattr(run.backend, "transformer_impl", None) == "local" else 0,
     )
 
 

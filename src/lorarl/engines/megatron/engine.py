@@ -255,10 +255,16 @@ class MegatronEngine:
         width = micro[0].shape[1]
         mask = self._attention_mask(width)
 
+        # Logits in the model's precision: Megatron's half-precision wrapper would otherwise hand
+        # back a float32 copy of every position's logits (~15 GB at the 0.5B preset's budget),
+        # which the loss keeps for its backward and whose gradient is float32 too. Both losses
+        # upcast what they read (token_logprobs per block, the vocab-parallel path as a whole).
+        half = {"fp32_output": False} if self.compute_dtype != torch.float32 else {}
+
         def forward_step(data_iterator: Iterator[tuple[int, torch.Tensor]], model: torch.nn.Module):
             index, ids = next(data_iterator)
             positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-            output = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+            output = model(input_ids=ids, position_ids=positions, attention_mask=mask, **half)
             return output, partial(loss_fn, index)
 
         fb = get_forward_backward_func()
