@@ -197,7 +197,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     tokens, vocab = 24_576, dims.vocab  # the preset's token budget, all under the head
     width = run.data.max_prompt_length + run.data.max_response_length
     scores = tokens * dims.layers * dims.heads * width * (4 + 2)
-    assert scores / GIB == pytest.approx(8.86, abs=0.01)  # at 192 positions; 16x that at 768
+    assert scores / GIB == pytest.approx(8.86, abs=0.01)  # rows of 192 positions; 4x that in rows of 768
     head = 3 * tokens * vocab * 2
     without_copies = 75.0 - tokens * vocab * 10 / GIB + head / GIB
     assert need["megatron"] / GIB == pytest.approx(without_copies + scores / GIB, abs=0.05)
