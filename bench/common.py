@@ -17,6 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short names the GPU measurements take in --models.
@@ -336,11 +340,11 @@ def gpu_args(name: str, description: str, argv: list[str] | None) -> argparse.Na
     return args
 
 
-def ppo_step(engine, batch, step: int) -> dict:
-    """One PPO update as the worker runs it (lorarl.ppo.ppo_update) on an engine built from a run."""
+def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
+    """One PPO update as the worker runs it (lorarl.ppo.ppo_update) on an engine built from `run`
+    on `device` (either engine: the Megatron one keeps only its own config groups)."""
     from lorarl.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
-    run = engine.run
-    correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
+    correction = Correction.of(run.algorithm.rollout_correction, device.type)
     return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)

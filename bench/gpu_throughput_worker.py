@@ -118,7 +118,7 @@ def main() -> None:
         dist.barrier()
         synchronize()
         t0 = time.perf_counter()
-        ppo_step(engine, batch, k + 1)
+        ppo_step(engine.run, engine, batch, k + 1, engine.device)
         synchronize()
         seconds = max_over_ranks(time.perf_counter() - t0)
         if k >= args.warmup:

@@ -1,6 +1,8 @@
-"""Where the PPO update's time goes on one GPU: the project's FSDPEngine on the GPU step's work.
+"""Where the PPO update's time (and memory) goes on one GPU: the project's FSDP or Megatron engine
+on the GPU step's work.
 
     torchrun --standalone --nproc_per_node=1 -m bench.update_profile --shape 0.5b --out DIR
+    torchrun --standalone --nproc_per_node=1 -m bench.update_profile --shape 0.5b --backend megatron --memory --out DIR
 
 The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22 prompt tokens,
 128 response tokens, random ids), on-policy (no old log-probs), with the rollout's log-probs
@@ -17,7 +19,10 @@ DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by 
 With --trace-syncs each variant also counts where one more update made the host wait for the
 device (torch.cuda.set_sync_debug_mode), by Python call site. Variant tokens beside the overrides:
 `fused_adamw` (the optimizer as one fused kernel), `transformers_masks` (transformers builds the
-attention masks from the 2D mask, as before the engine built them).
+attention masks from the 2D mask, as before the engine built them); FSDP only.
+With --memory the last variant's update (and reference pass) also runs once under the CUDA
+allocator's history: `memory_at_peak` in the JSON gives the blocks alive at the highest total the
+call allocated, grouped by the Python line that allocated them.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ PRESETS = {
 }
 
 
-def make_batch(engine: FSDPEngine, rows: int, response: int, seed: int = 0):
+def make_batch(engine, vocab: int, rows: int, response: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    top = min(500, engine.model.config.vocab_size)  # ids < 512 are valid in every Qwen vocab and the tiny one
+    top = min(500, vocab)  # ids < 512 are valid in every Qwen vocab and the tiny one
     prompts = [torch.randint(10, top, (int(torch.randint(18, 27, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(rows)]  # fmt: skip
     responses = [torch.randint(10, top, (response,), generator=gen).tolist() for _ in range(rows)]
@@ -85,16 +90,70 @@ def timed(call, warmup: int, repeats: int) -> tuple[list[float], object]:
     return out, result
 
 
-def time_variant(engine: FSDPEngine, batch, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
+def time_variant(run, engine, batch, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
     """(update seconds, the last update's metrics, reference-pass seconds)."""
-    updates, metrics = timed(lambda k: ppo_step(engine, batch, k), warmup, repeats)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    updates, metrics = timed(lambda k: ppo_step(run, engine, batch, k, device), warmup, repeats)
     reference, _ = timed(
-        lambda _: engine.log_probs(batch, temperature=engine.run.rollout.temperature, reference=True), 1, repeats
+        lambda _: engine.log_probs(batch, temperature=run.rollout.temperature, reference=True), 1, repeats
     )
     return updates, metrics, reference
 
 
-def trace_syncs(engine: FSDPEngine, batch) -> dict[str, int]:
+def blocks_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """(the highest total, the blocks alive then) from a CUDA allocator trace
+    (`torch.cuda.memory._snapshot()["device_traces"][device]`: alloc and free events with address,
+    size and frames), counting only what was allocated while it was recorded."""
+    total = best = best_at = 0
+    live: dict[int, int] = {}
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+            total += event["size"]
+            if total > best:
+                best, best_at = total, i
+        elif event["action"] in ("free_requested", "free_completed"):
+            total -= live.pop(event["addr"], 0)
+    alive: dict[int, dict] = {}
+    for event in trace[: best_at + 1]:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+        elif event["action"] in ("free_requested", "free_completed"):
+            alive.pop(event["addr"], None)
+    return best, list(alive.values())
+
+
+def by_site(blocks: list[dict], top: int = 25) -> list[dict]:
+    """Blocks grouped by the innermost Python frame outside torch that allocated them (with its
+    caller), largest first."""
+    sizes: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for block in blocks:
+        ours = [f for f in block.get("frames", []) if "/torch/" not in f["filename"] and f["filename"][:1] != "<"]
+        site = (
+            " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours[:2]) or "(no Python frame)"
+        )
+        sizes[site] += block["size"]
+        counts[site] += 1
+    return [{"site": k, "gib": v / 2**30, "blocks": counts[k]} for k, v in sizes.most_common(top)]
+
+
+def memory_at_peak(call) -> dict:
+    """`call()` once under the CUDA allocator's history (Python frames): its peak above what was
+    allocated before, and where the blocks alive at that moment were allocated."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        call()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = blocks_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+    return {"peak_gib": peak / 2**30, "sites": by_site(blocks)}
+
+
+def trace_syncs(run, engine, batch) -> dict[str, int]:
     """Synchronizing calls of one update, counted by call site: the innermost frame and the two
     innermost outside torch. torch warns at each one in sync debug mode; a wait inside the
     backward (autograd's own thread) has no Python caller and is not counted here."""
@@ -114,14 +173,18 @@ def trace_syncs(engine: FSDPEngine, batch) -> dict[str, int]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            ppo_step(engine, batch, 101)
+            ppo_step(run, engine, batch, 101, torch.device("cuda", torch.cuda.current_device()))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sites.most_common(40))
 
 
-def variant_engine(run, spec: str, device: torch.device) -> FSDPEngine:
+def variant_engine(run, spec: str, device: torch.device):
     """The project's engine for one variant, with the bench tokens of `spec` applied."""
+    if run.backend.strategy == "megatron":
+        from lorarl.engines.megatron.engine import MegatronEngine
+
+        return MegatronEngine(run, device, seed=run.trainer.seed)
     engine = FSDPEngine(run, device)
     if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
         engine.prepared_masks = False
@@ -134,7 +197,7 @@ def variant_engine(run, spec: str, device: torch.device) -> FSDPEngine:
     return engine
 
 
-def profile_update(engine: FSDPEngine, batch, on_gpu: bool, stem: Path, result: dict) -> None:
+def profile_update(run, engine, batch, on_gpu: bool, stem: Path, result: dict) -> None:
     """One update under torch.profiler: <stem>.txt (by self device time and by CPU time) and
     <stem>.json (`result` with the profiled wall and kernel seconds)."""
     from torch.profiler import ProfilerActivity, profile
@@ -143,7 +206,13 @@ def profile_update(engine: FSDPEngine, batch, on_gpu: bool, stem: Path, result: 
     with profile(activities=activities) as prof:
         synchronize()
         t0 = time.perf_counter()
-        ppo_step(engine, batch, 100)
+        ppo_step(
+            run,
+            engine,
+            batch,
+            100,
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+        )
         synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
@@ -161,6 +230,8 @@ def profile_update(engine: FSDPEngine, batch, on_gpu: bool, stem: Path, result: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(PRESETS), default="0.5b")
+    ap.add_argument("--backend", choices=("fsdp", "megatron"), default="fsdp")
+    ap.add_argument("--memory", action="store_true", help="where the last variant's update peaks (cuda)")
     ap.add_argument("--variants", default="preset", help="';'-separated, each a ','-list of overrides or 'preset'")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=4)
@@ -181,10 +252,11 @@ def main() -> None:
     cache = cache_dir()
     shape, preset = PRESETS[args.shape]
     model = shaped_model(cache, shape, dtype="bfloat16", device=args.device) if shape else tiny_model(cache)
-    n_params = param_count(json.loads((Path(model) / "config.json").read_text()))
+    hf_config = json.loads((Path(model) / "config.json").read_text())
+    n_params, vocab = param_count(hf_config), hf_config["vocab_size"]
     reserve = torch.empty(int(args.reserve_gib * 2**30), dtype=torch.uint8, device=device) if args.reserve_gib else None
     base = [
-        "+backend=fsdp",
+        f"+backend={args.backend}",
         f"model={preset}",
         f"model.path={model}",
         "model.builder=null",
@@ -194,7 +266,7 @@ def main() -> None:
         f"trainer.device={args.device}",
         f"actor.use_kl_loss={str(args.kl).lower()}",
     ]
-    result = {"shape": args.shape, "reserve_gib": args.reserve_gib, "variants": []}
+    result = {"shape": args.shape, "backend": args.backend, "reserve_gib": args.reserve_gib, "variants": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = args.variants.split(";")
@@ -202,14 +274,14 @@ def main() -> None:
         extra = [] if spec == "preset" else [o for o in spec.split(",") if o not in BENCH_TOKENS]
         run = compose(base + extra)
         engine = variant_engine(run, spec, device)
-        batch = make_batch(engine, args.rows, args.response)
+        batch = make_batch(engine, vocab, args.rows, args.response)
         if args.kl:
             batch.ref_logp = torch.zeros_like(batch.response_mask)
         stats = torch.cuda.memory_stats if on_gpu else dict
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         retries0 = stats().get("num_alloc_retries", 0)
-        samples, metrics, reference = time_variant(engine, batch, args.warmup, args.repeats)
+        samples, metrics, reference = time_variant(run, engine, batch, args.warmup, args.repeats)
         tokens = int(batch.attention_mask.sum())
         row = {
             "variant": spec,
@@ -222,7 +294,7 @@ def main() -> None:
             "micro_batches": metrics.get("actor/micro_batches"),
         }
         if args.trace_syncs and on_gpu:
-            row["syncs"] = trace_syncs(engine, batch)
+            row["syncs"] = trace_syncs(run, engine, batch)
             row["syncs_total"] = sum(row["syncs"].values())
         print(json.dumps({k: v for k, v in row.items() if k != "syncs"}), flush=True)
         result["variants"].append(row)
@@ -231,7 +303,17 @@ def main() -> None:
             gc.collect()  # PEFT and FSDP modules hold reference cycles: free the engine before the next
             if on_gpu:
                 torch.cuda.empty_cache()
-    profile_update(engine, batch, on_gpu, out / f"update_profile_{args.shape}", result)
+    if args.memory and on_gpu:
+        device_now = torch.device("cuda", torch.cuda.current_device())
+        result["memory_at_peak"] = {
+            "update": memory_at_peak(lambda: ppo_step(run, engine, batch, 102, device_now)),
+            "reference": memory_at_peak(
+                lambda: engine.log_probs(batch, temperature=run.rollout.temperature, reference=True)
+            ),
+        }
+        for name, m in result["memory_at_peak"].items():
+            print(f"{name}: peak {m['peak_gib']:.1f} GiB above the start;", json.dumps(m["sites"][:8]), flush=True)
+    profile_update(run, engine, batch, on_gpu, out / f"update_profile_{args.shape}", result)
     del reserve
     dist.destroy_process_group()
 

@@ -33,6 +33,30 @@ def test_update_profile_times_variants_and_profiles_one(tmp_path):
     assert "Self CPU" in (tmp_path / "update_profile_tiny.txt").read_text()
 
 
+def test_memory_at_peak_counts_what_was_alive_at_the_highest_total():
+    """The replay of an allocator trace (the events torch.cuda.memory._snapshot() records on the
+    GPU): the blocks alive when the total peaked, grouped by the allocating line outside torch."""
+    from bench.update_profile import blocks_at_peak, by_site
+
+    def frames(line: int) -> list[dict]:
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/x/lorarl/engines/megatron/engine.py", "line": line, "name": "forward_step"},
+                {"filename": "/x/lorarl/ppo.py", "line": 7, "name": "ppo_update"}]  # fmt: skip
+
+    def alloc(addr: int, size: int, line: int) -> dict:
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames(line)}
+
+    def free(addr: int) -> dict:
+        return {"action": "free_requested", "addr": addr, "size": 0, "frames": []}
+
+    trace = [alloc(1, 10, 100), alloc(2, 30, 200), free(1), alloc(3, 30, 200), free(2), free(3), alloc(4, 50, 300)]
+    peak, blocks = blocks_at_peak(trace)
+    assert peak == 60 and sorted(b["addr"] for b in blocks) == [2, 3]
+    (site,) = by_site(blocks)
+    assert site["site"] == "engine.py:200 forward_step < ppo.py:7 ppo_update" and site["blocks"] == 2
+    assert site["gib"] == 60 / 2**30
+
+
 def test_logprob_passes_checks_both_paths_agree(tmp_path):
     out = tmp_path / "lp.json"
     run(
