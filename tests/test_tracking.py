@@ -67,7 +67,7 @@ def test_redact_blanks_secret_keys():
 
 
 def test_wandb_offline_gets_config_and_metrics_but_no_secret(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", "secret-wandb-key-123")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -75,6 +75,10 @@ def test_wandb_offline_gets_config_and_metrics_but_no_secret(tmp_path, monkeypat
     t = Tracker(["jsonl", "wandb"], tmp_path, "lorarl-test", "offline", config)
     t.log({"reward/mean": 0.5, "sync/kind": "adapter"}, step=1)
     t.finish()
+    # The record is written by wandb's service process, which may still be writing when finish()
+    # returns (under load it once held only its header); teardown waits for it, as the atexit
+    # hook does when a run's process exits.
+    wandb.teardown()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # Offline runs keep config and history in the run's .wandb record until `wandb sync`.
