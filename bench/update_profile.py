@@ -90,9 +90,8 @@ def timed(call, warmup: int, repeats: int) -> tuple[list[float], object]:
     return out, result
 
 
-def time_variant(run, engine, batch, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
+def time_variant(run, engine, batch, device, warmup: int, repeats: int) -> tuple[list[float], dict, list[float]]:
     """(update seconds, the last update's metrics, reference-pass seconds)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     updates, metrics = timed(lambda k: ppo_step(run, engine, batch, k, device), warmup, repeats)
     reference, _ = timed(
         lambda _: engine.log_probs(batch, temperature=run.rollout.temperature, reference=True), 1, repeats
@@ -153,7 +152,7 @@ def memory_at_peak(call) -> dict:
     return {"peak_gib": peak / 2**30, "sites": by_site(blocks)}
 
 
-def trace_syncs(run, engine, batch) -> dict[str, int]:
+def trace_syncs(run, engine, batch, device) -> dict[str, int]:
     """Synchronizing calls of one update, counted by call site: the innermost frame and the two
     innermost outside torch. torch warns at each one in sync debug mode; a wait inside the
     backward (autograd's own thread) has no Python caller and is not counted here."""
@@ -173,7 +172,7 @@ def trace_syncs(run, engine, batch) -> dict[str, int]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            ppo_step(run, engine, batch, 101, torch.device("cuda", torch.cuda.current_device()))
+            ppo_step(run, engine, batch, 101, device)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sites.most_common(40))
@@ -197,22 +196,16 @@ def variant_engine(run, spec: str, device: torch.device):
     return engine
 
 
-def profile_update(run, engine, batch, on_gpu: bool, stem: Path, result: dict) -> None:
+def profile_update(run, engine, batch, device, stem: Path, result: dict) -> None:
     """One update under torch.profiler: <stem>.txt (by self device time and by CPU time) and
     <stem>.json (`result` with the profiled wall and kernel seconds)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         synchronize()
         t0 = time.perf_counter()
-        ppo_step(
-            run,
-            engine,
-            batch,
-            100,
-            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
-        )
+        ppo_step(run, engine, batch, 100, device)
         synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
@@ -281,7 +274,7 @@ def main() -> None:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         retries0 = stats().get("num_alloc_retries", 0)
-        samples, metrics, reference = time_variant(run, engine, batch, args.warmup, args.repeats)
+        samples, metrics, reference = time_variant(run, engine, batch, device, args.warmup, args.repeats)
         tokens = int(batch.attention_mask.sum())
         row = {
             "variant": spec,
@@ -294,7 +287,7 @@ def main() -> None:
             "micro_batches": metrics.get("actor/micro_batches"),
         }
         if args.trace_syncs and on_gpu:
-            row["syncs"] = trace_syncs(run, engine, batch)
+            row["syncs"] = trace_syncs(run, engine, batch, device)
             row["syncs_total"] = sum(row["syncs"].values())
         print(json.dumps({k: v for k, v in row.items() if k != "syncs"}), flush=True)
         result["variants"].append(row)
@@ -304,16 +297,15 @@ def main() -> None:
             if on_gpu:
                 torch.cuda.empty_cache()
     if args.memory and on_gpu:
-        device_now = torch.device("cuda", torch.cuda.current_device())
         result["memory_at_peak"] = {
-            "update": memory_at_peak(lambda: ppo_step(run, engine, batch, 102, device_now)),
+            "update": memory_at_peak(lambda: ppo_step(run, engine, batch, 102, device)),
             "reference": memory_at_peak(
                 lambda: engine.log_probs(batch, temperature=run.rollout.temperature, reference=True)
             ),
         }
         for name, m in result["memory_at_peak"].items():
             print(f"{name}: peak {m['peak_gib']:.1f} GiB above the start;", json.dumps(m["sites"][:8]), flush=True)
-    profile_update(run, engine, batch, on_gpu, out / f"update_profile_{args.shape}", result)
+    profile_update(run, engine, batch, device, out / f"update_profile_{args.shape}", result)
     del reserve
     dist.destroy_process_group()
 
