@@ -177,7 +177,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     gradient, a float32 block); split over TP ranks it is the vocab-parallel cross entropy, which
     holds two float32 copies of every position's (2 + 4 + 4 bytes a logit). With those copies at
     one rank the estimate at the benchmark's 0.5B work was 75.0 GiB, and the awake run failed in
-    its first update beside the 80.6 GiB free on the H200 (gpu_step_2026-12-04b_megatron.md).
+    its first update beside the 80.6 GiB free on the H200 (bench/results/gpu_step_2026-12-04b_megatron.md).
     Its local spec's attention materialises the probabilities: a float32 softmax and its bf16
     copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
