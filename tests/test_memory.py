@@ -204,6 +204,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     assert need["fsdp"] < need["megatron"] < 75.0 * GIB + scores
     # Two TP ranks: each holds half of everything, the float32 copies and the scores included.
     assert need["megatron_tp2"] * 2 / GIB == pytest.approx(75.0 + scores / GIB, abs=0.05)
+    assert not plan_sleep(None, free_bytes=int(80.6 * GIB), need_bytes=need["fsdp"]).sleeps
     # Over TransformerEngine's fused attention nothing of the kind is kept.
     te = compose(["+backend=megatron", "backend.transformer_impl=transformer_engine", *work])
     assert run_update_bytes(te, dims, dp_size=1, model_parallel=1) == need["megatron"] - scores
