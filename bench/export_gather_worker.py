@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine
-from lorarl.sync import PayloadKind
+from lorarl.sync.payload import PayloadKind
 
 ADAPTER_METHODS = ("bucketed", "layered")
 HEAVY_METHODS = ("full_state_dict", "base_stream", "merged_stream")  # move every base weight

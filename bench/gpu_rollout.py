@@ -137,7 +137,7 @@ def measure(
     from lorarl.data import arith
     from lorarl.models.tiny import prompt_ids
     from lorarl.rollout.vllm import VLLMRollout
-    from lorarl.sync import WeightPayload
+    from lorarl.sync.payload import WeightPayload
 
     shape = MODELS[key]
     path = tiny_model(cache) if key == "tiny" else shaped_model(cache, shape, dtype="bfloat16", device=device)

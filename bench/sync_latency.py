@@ -165,7 +165,7 @@ def measure_model(name: str, path: Path, scratch: Path, repeats: int, warmup: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm.lora.request import LoRARequest
 
-    from lorarl.sync import WeightPayload
+    from lorarl.sync.payload import WeightPayload
 
     dtype_name = _checkpoint_dtype(path)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl import sync_checks
 from lorarl.errors import ConfigError, SyncError
-from lorarl.expert_lora import (
+from lorarl.sync import transport
+from lorarl.sync.experts import (
     QWEN3_MOE_EXPERT_PARAMETERS,
     check_engine_reads_per_expert,
     check_target_parameters,
@@ -30,7 +30,7 @@ from lorarl.expert_lora import (
     is_moe_checkpoint,
     to_vllm_layout,
 )
-from lorarl.sync import WeightPayload
+from lorarl.sync.payload import WeightPayload
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -184,7 +184,7 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
         # Every tensor the trainer sent names a slot vLLM holds, and all of them match exactly.
         layout = rollout.adapter_layout()
         assert {layout.module_of(name)[0] for name in tensors} <= set(held)
-        assert sync_checks.verify_adapter(rollout, payload) == 1.0
+        assert transport.verify_adapter(rollout, payload) == 1.0
 
         # One expert's B corrupted in the payload: the fingerprint names that expert.
         bad = dict(tensors)
@@ -192,7 +192,7 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
         bad[key] = bad[key].clone()
         bad[key][7, 0] += 1e-3
         with pytest.raises(SyncError, match=r"experts\.5\.up_proj"):
-            sync_checks.verify_adapter(rollout, WeightPayload.adapter(bad, config))
+            transport.verify_adapter(rollout, WeightPayload.adapter(bad, config))
 
         with pytest.raises(ConfigError, match="model.lora.merge=true") as err:
             rollout.sample([[1, 2, 3]], max_tokens=2)

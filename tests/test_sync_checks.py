@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl import sync_checks
 from lorarl.errors import SyncError
 from lorarl.rollout.vllm import VLLMRollout
-from lorarl.sync import WeightPayload
-from lorarl.sync_checks import (
-    FP32_BOUNDS,
-    HALF_BOUNDS,
-    ZERO,
-    Fingerprint,
-    ProbeReading,
-    combine,
-    fingerprint,
-    judge_probe,
-)
+from lorarl.sync import fingerprint as fingerprints
+from lorarl.sync import probe, transport
+from lorarl.sync.fingerprint import ZERO, Fingerprint, combine, fingerprint
+from lorarl.sync.payload import WeightPayload
+from lorarl.sync.probe import FP32_BOUNDS, HALF_BOUNDS, ProbeReading, judge_probe
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -72,12 +65,12 @@ def test_batched_fingerprints_equal_one_at_a_time(monkeypatch):
     tensors.append(torch.randn(30, 20, generator=gen))  # above the chunk: reduced alone
     tensors.insert(2, torch.randn(8, 40, generator=gen))  # same shape as the first, other dtype
     one_by_one = [fingerprint(t) for t in tensors]
-    monkeypatch.setattr(sync_checks, "_CHUNK", 400)  # 5 stacked rows of 320 -> 80 columns per pass
-    assert sync_checks.resolve(sync_checks.fingerprint_sums_many(tensors)) == one_by_one
-    as_bf16 = sync_checks.resolve(sync_checks.fingerprint_sums_many(tensors[:3], torch.bfloat16))
+    monkeypatch.setattr(fingerprints, "_CHUNK", 400)  # 5 stacked rows of 320 -> 80 columns per pass
+    assert fingerprints.resolve(fingerprints.fingerprint_sums_many(tensors)) == one_by_one
+    as_bf16 = fingerprints.resolve(fingerprints.fingerprint_sums_many(tensors[:3], torch.bfloat16))
     assert as_bf16 == [fingerprint(t, torch.bfloat16) for t in tensors[:3]]
     with pytest.raises(SyncError, match="cannot fingerprint"):
-        sync_checks.fingerprint_sums_many([torch.zeros(2, dtype=torch.int64)])
+        fingerprints.fingerprint_sums_many([torch.zeros(2, dtype=torch.int64)])
 
 
 def test_fingerprint_refuses_integer_tensors():
@@ -111,19 +104,19 @@ def test_absolute_bound_per_dtype():
         judge_probe(reading(0.7, 0.01, 1.0), HALF_BOUNDS)
     with pytest.raises(SyncError):  # vLLM NaN where the trainer is finite
         judge_probe(
-            sync_checks.read_probe(torch.zeros(3), torch.tensor([0.0, float("nan"), 0.0]), torch.zeros(3)), HALF_BOUNDS
+            probe.read_probe(torch.zeros(3), torch.tensor([0.0, float("nan"), 0.0]), torch.zeros(3)), HALF_BOUNDS
         )
     # The trainer's own NaN is divergence, reported by the next update with its step, not a sync fault.
-    judge_probe(sync_checks.read_probe(torch.tensor([float("nan"), 0, 0]), torch.zeros(3), torch.zeros(3)), FP32_BOUNDS)
-    assert sync_checks.probe_bounds(True, "float32") == FP32_BOUNDS
-    assert sync_checks.probe_bounds(True, "bfloat16") == HALF_BOUNDS
-    assert sync_checks.probe_bounds(False, "float32", 0.3).max == 0.3
+    judge_probe(probe.read_probe(torch.tensor([float("nan"), 0, 0]), torch.zeros(3), torch.zeros(3)), FP32_BOUNDS)
+    assert probe.probe_bounds(True, "float32") == FP32_BOUNDS
+    assert probe.probe_bounds(True, "bfloat16") == HALF_BOUNDS
+    assert probe.probe_bounds(False, "float32", 0.3).max == 0.3
 
 
 def test_probe_sequences_prefer_long_ones():
     seqs = [[1] * 10, [2] * 40, [3] * 33, [4] * 20, [5] * 50, [6] * 35]
-    assert [s[0] for s in sync_checks.choose_probes(seqs)] == [2, 3, 5, 6]
-    assert [s[0] for s in sync_checks.choose_probes(seqs[:1] + seqs[3:4])] == [4, 1]
+    assert [s[0] for s in probe.choose_probes(seqs)] == [2, 3, 5, 6]
+    assert [s[0] for s in probe.choose_probes(seqs[:1] + seqs[3:4])] == [4, 1]
 
 
 # ------------------------------------------------------- fingerprint against real vLLM
@@ -163,7 +156,7 @@ def rollout(request, tiny_model_path: Path):
 def test_synced_adapter_matches_exactly(rollout, peft_model):
     sent = adapter(peft_model, seed=1)
     rollout.apply(sent)
-    assert sync_checks.verify_adapter(rollout, sent) == 1.0
+    assert transport.verify_adapter(rollout, sent) == 1.0
     # Every module vLLM wraps has a slot, q/k/v and gate/up by their own names.
     held = rollout.held_adapter_slots()
     assert len(held) == 2 * len(PROJECTIONS), sorted(held)
@@ -174,7 +167,7 @@ def test_skipped_sync_is_named(rollout, peft_model):
     old, new = adapter(peft_model, seed=2), adapter(peft_model, seed=3)
     rollout.apply(old)  # the trainer moved on to `new`, the sync never happened
     with pytest.raises(SyncError, match="rank 3: .* lora_A of 'model.layers.0.mlp.down_proj'.*other values"):
-        sync_checks.verify_adapter(rollout, new, rank=3)
+        transport.verify_adapter(rollout, new, rank=3)
 
 
 def test_zeroed_adapter_is_named(rollout, peft_model):
@@ -186,7 +179,7 @@ def test_zeroed_adapter_is_named(rollout, peft_model):
 
     rollout.apply(mutated(sent, zero))
     with pytest.raises(SyncError, match="lora_A of 'model.layers.0.mlp.down_proj'.*holds zeros"):
-        sync_checks.verify_adapter(rollout, sent)
+        transport.verify_adapter(rollout, sent)
 
 
 def test_one_layers_b_left_out_is_named(rollout, peft_model):
@@ -194,7 +187,7 @@ def test_one_layers_b_left_out_is_named(rollout, peft_model):
     name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
     rollout.apply(mutated(sent, lambda t: t[name].zero_()))
     with pytest.raises(SyncError, match="lora_B of 'model.layers.1.self_attn.v_proj'.*holds zeros"):
-        sync_checks.verify_adapter(rollout, sent)
+        transport.verify_adapter(rollout, sent)
 
 
 def test_one_bit_off_is_caught(rollout, peft_model):
@@ -202,7 +195,7 @@ def test_one_bit_off_is_caught(rollout, peft_model):
     name = "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"
     rollout.apply(mutated(sent, lambda t: t[name].view(torch.int32)[3, 2].add_(1)))
     with pytest.raises(SyncError, match="lora_B of 'model.layers.0.mlp.gate_proj'"):
-        sync_checks.verify_adapter(rollout, sent)
+        transport.verify_adapter(rollout, sent)
 
 
 def test_untargeted_modules_must_hold_zeros_and_lower_rank_pads(rollout, tiny_model_path: Path):
@@ -215,7 +208,7 @@ def test_untargeted_modules_must_hold_zeros_and_lower_rank_pads(rollout, tiny_mo
     )
     sent = adapter(model, seed=7)
     rollout.apply(sent)  # rank 4 in a rank-8 engine: B sits in a padded slot
-    assert sync_checks.verify_adapter(rollout, sent) == 1.0
+    assert transport.verify_adapter(rollout, sent) == 1.0
     assert rollout.held_adapter_slots()["model.layers.0.self_attn.v_proj"].a == ZERO
 
 
@@ -240,10 +233,10 @@ def test_merged_weights_fingerprint(tiny_model_path: Path, peft_model):
     state = merged.merge_and_unload().state_dict()
     with VLLMRollout(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, fingerprint_base=True) as r:
         r.apply(WeightPayload.base(state.items()))
-        match, checked = sync_checks.verify_weights(r, rank=0)
+        match, checked = transport.verify_weights(r, rank=0)
         # The CPU build keeps linear weights only packed for its GEMM library: embeddings and
         # norms are what can be read back here (on GPU every weight is).
         assert match == 1.0 and checked >= 5
         r.run_in_worker(_bump_norm)
         with pytest.raises(SyncError, match="'model.layers.1.post_attention_layernorm.weight' .* differs"):
-            sync_checks.verify_weights(r, rank=0)
+            transport.verify_weights(r, rank=0)

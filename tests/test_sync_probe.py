@@ -14,8 +14,8 @@ import torch
 
 from lorarl.errors import SyncError
 from lorarl.messages import SyncRequest
-from lorarl.sync import WeightPayload
-from lorarl.sync_checks import FP32_BOUNDS
+from lorarl.sync.payload import WeightPayload
+from lorarl.sync.probe import FP32_BOUNDS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from lorarl.data import arith
 from lorarl.errors import ConfigError, SyncError
 from lorarl.models.tiny import prompt_ids
 from lorarl.rollout.vllm import VLLMRollout
-from lorarl.sync import PayloadKind, WeightPayload
+from lorarl.sync.payload import PayloadKind, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOGPROB_TOL = 1e-3

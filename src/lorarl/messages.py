@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lorarl.sync import SyncStats
+    from lorarl.sync.payload import SyncStats
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class GenerateRequest:
     top_p: float
     max_tokens: int
     seed: int
-    # Training rollouts: the first one a worker sees sets the sync probe's sequences (lorarl.sync_session).
+    # Training rollouts: the first one a worker sees sets the sync probe's sequences (lorarl.sync.session).
     for_training: bool
 
 
@@ -184,13 +184,13 @@ class SyncReport:
     load_seconds: float
     seconds: float
     num_adapters: int = 0  # adapters vLLM holds after the sync
-    # The exact fingerprint checks (lorarl.sync_checks): base or merged weights, then the adapter.
+    # The exact fingerprint checks (lorarl.sync.transport): base or merged weights, then the adapter.
     weights_match: float | None = None
     weights_checked: int | None = None
     weights_check_seconds: float | None = None
     adapter_match: float | None = None
     adapter_check_seconds: float | None = None
-    # The log-prob probe (lorarl.sync_checks.ProbeReading), when it was due.
+    # The log-prob probe (lorarl.probe.ProbeReading), when it was due.
     logprob_diff_max: float | None = None
     logprob_diff_mean: float | None = None
     logprob_ref_diff_mean: float | None = None

@@ -50,7 +50,7 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 # MoE expert parameters: the fused stacks lorarl exports LoRA on (vLLM's per-expert projections
-# come from them, lorarl.expert_lora), and what vLLM serves no LoRA on.
+# come from them, lorarl.sync.experts), and what vLLM serves no LoRA on.
 QWEN3_MOE_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 _UNSERVABLE = re.compile(r"(^|\.)(gate|lm_head|embed_tokens)(\.|$)")
@@ -85,7 +85,7 @@ class LoraConfig:
     # name or a list (see lorarl.config.STRING_OR_LIST_KEYS).
     target_modules: Any = MISSING
     # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
-    # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.expert_lora). Empty for dense models.
+    # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.sync.experts). Empty for dense models.
     target_parameters: list[str] = MISSING
     # Megatron only: fused `lora` or per-projection `canonical_lora`.
     type: str = MISSING
@@ -339,7 +339,7 @@ class TrainerConfig:
     device: str = MISSING
     seed: int = MISSING
     # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), and
-    # trainer and vLLM log-probs on fixed probe sequences must agree (lorarl.sync_checks).
+    # trainer and vLLM log-probs on fixed probe sequences must agree (lorarl.sync.probe).
     check_sync: bool = MISSING
     # The probe's bound on the worst token's |log-prob diff| (null: 1e-3 when both sides compute
     # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.31 at 7B).

@@ -3,7 +3,7 @@
 The worker places itself (process group, the rollout, then the engine) and answers the driver's
 three calls per step (lorarl.messages): generate, update, sync. Each concern has its own module:
 whether the rollout sleeps during the update (lorarl.rollout_sleep), the weight sync and its
-checks (lorarl.sync_session), the PPO update (lorarl.ppo), the checkpoint files
+checks (lorarl.sync.session), the PPO update (lorarl.ppo), the checkpoint files
 (lorarl.checkpoint).
 """
 
@@ -38,7 +38,7 @@ from lorarl.peft_io import save_peft_adapter
 from lorarl.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.rollout_sleep import RolloutSleep, can_sleep
 from lorarl.stall_report import stacks_after, stacks_file
-from lorarl.sync_session import SyncSession
+from lorarl.sync.session import SyncSession
 
 
 def seed_everything(seed: int) -> None:
@@ -277,7 +277,7 @@ class Worker:
             experts = getattr(self.engine, "expert_wrappers", None)
             if experts:
                 # PEFT reads expert LoRA as stacks, vLLM per expert: the vLLM copy goes beside it.
-                from lorarl.expert_lora import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
+                from lorarl.sync.experts import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
 
                 save_peft_adapter(
                     Path(directory) / VLLM_ADAPTER_SUBDIR, to_vllm_layout(lora, experts), vllm_adapter_config(config)

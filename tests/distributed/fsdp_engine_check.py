@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine, peft_name
-from lorarl.sync import PayloadKind
+from lorarl.sync.payload import PayloadKind
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]

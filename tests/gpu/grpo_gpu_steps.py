@@ -194,7 +194,7 @@ def main() -> None:
         prompts = [
             tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"] for r in batch
         ]
-        # The first training rollout also sets the sync probe's sequences (lorarl.sync_session).
+        # The first training rollout also sets the sync probe's sequences (lorarl.sync.session).
         out = worker.generate(
             GenerateRequest(prompts, args.n, 1.0, 1.0, run.data.max_response_length, 1000 * step + dp_rank, True)
         )
@@ -329,8 +329,8 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
 
 def _resend(worker) -> tuple:
     """worker.sync with the parity probe measured, not enforced: (SyncReport, probe max diff)."""
-    from lorarl import sync_checks
     from lorarl.messages import SyncRequest
+    from lorarl.sync import probe
 
     session = worker.sync_session
     check, session.check = session.check, False
@@ -338,7 +338,7 @@ def _resend(worker) -> tuple:
         out = worker.sync(SyncRequest(step=0, last=False))
     finally:
         session.check = check
-    return out, sync_checks.measure_probe(worker.engine, worker.rollout, session.probe_seqs).sync_max
+    return out, probe.measure_probe(worker.engine, worker.rollout, session.probe_seqs).sync_max
 
 
 def _greedy_and_probe(worker, prompts):

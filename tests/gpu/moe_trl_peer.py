@@ -14,7 +14,7 @@ from __future__ import annotations
 import peft
 
 from bench import trl_grpo_worker
-from lorarl.expert_lora import QWEN3_MOE_EXPERT_PARAMETERS
+from lorarl.sync.experts import QWEN3_MOE_EXPERT_PARAMETERS
 
 _LoraConfig = peft.LoraConfig
 

@@ -117,7 +117,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
     from lorarl.ppo import Correction, ppo_update
-    from lorarl.sync import PayloadKind
+    from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import lora_shards, save_probe_and_result
     from tests.megatron_reference import AttentionShape, megatron_lora_to_peft

@@ -100,7 +100,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     from lorarl.batch import build_batch
     from lorarl.engines.megatron.engine import MegatronEngine
     from lorarl.ppo import Correction, ppo_update
-    from lorarl.sync import PayloadKind
+    from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import save_probe_and_result
 

@@ -30,7 +30,7 @@ def test_recipe_with_rollout_tensor_parallel_2_on_2_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     from bench.common import shaped_model
-    from lorarl.sync_checks import HALF_BOUNDS
+    from lorarl.sync.probe import HALF_BOUNDS
 
     cache = Path(os.environ.get("LORARL_CACHE", "/tmp/lcache"))
     model = shaped_model(cache, "qwen2.5-0.5b", device="cuda")

@@ -102,7 +102,7 @@ def check_7b_summary(summary: list[dict]) -> None:
     """What the 20-step 7B run must show (also applied in CI to the committed log's JSON): the
     fingerprint matched after every sync and the probe, run after every sync, stayed under the
     16-bit bound."""
-    from lorarl.sync_checks import HALF_BOUNDS
+    from lorarl.sync.probe import HALF_BOUNDS
 
     assert [s["step"] for s in summary] == list(range(1, STEPS_7B + 1))
     assert all(s["sync/adapter_match"] == 1.0 for s in summary)
@@ -158,7 +158,7 @@ def moved_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
 
 
 def apply_mutated(worker, lora: dict, edit) -> None:
-    from lorarl.sync import WeightPayload
+    from lorarl.sync.payload import WeightPayload
 
     sent = {k: v.clone() for k, v in lora.items()}
     edit(sent)
@@ -166,21 +166,21 @@ def apply_mutated(worker, lora: dict, edit) -> None:
 
 
 def fingerprint_error(worker, lora: dict) -> str:
-    from lorarl import sync_checks
     from lorarl.errors import SyncError
-    from lorarl.sync import WeightPayload
+    from lorarl.sync import transport
+    from lorarl.sync.payload import WeightPayload
 
     with pytest.raises(SyncError) as err:
-        sync_checks.verify_adapter(worker.rollout, WeightPayload.adapter(lora, worker.engine.adapter_config()))
+        transport.verify_adapter(worker.rollout, WeightPayload.adapter(lora, worker.engine.adapter_config()))
     return str(err.value)
 
 
 def probe_reading(worker) -> dict:
-    from lorarl import sync_checks
+    from lorarl.sync import probe
 
-    reading = sync_checks.measure_probe(worker.engine, worker.rollout, worker.sync_session.probe_seqs)
+    reading = probe.measure_probe(worker.engine, worker.rollout, worker.sync_session.probe_seqs)
     try:
-        sync_checks.judge_probe(reading, worker.sync_session.probe_bounds)
+        probe.judge_probe(reading, worker.sync_session.probe_bounds)
         verdict = "pass"
     except Exception as err:  # noqa: BLE001 - recorded, asserted by the caller
         verdict = str(err)

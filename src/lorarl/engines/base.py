@@ -20,7 +20,7 @@ import torch
 
 from lorarl.batch import TrainBatch
 from lorarl.errors import TrainingError
-from lorarl.sync import PayloadKind, WeightPayload
+from lorarl.sync.payload import PayloadKind, WeightPayload
 
 # loss_fn(micro_batch, log_probs, entropy) -> (loss to backpropagate, metrics). The engine
 # passes the micro-batch as it ran it (on its device, possibly trimmed), so `log_probs`

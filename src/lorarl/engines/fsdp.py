@@ -37,8 +37,8 @@ from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.errors import ModelError, TrainingError, first_line
-from lorarl.expert_lora import expert_delta, expert_wrappers, to_vllm_layout
-from lorarl.sync import PayloadKind, WeightPayload
+from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
+from lorarl.sync.payload import PayloadKind, WeightPayload
 
 PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -301,7 +301,7 @@ class FSDPEngine:
             }
             tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
             if self.expert_wrappers:
-                # vLLM reads expert LoRA per expert (lorarl.expert_lora); checkpoints keep PEFT's stacks.
+                # vLLM reads expert LoRA per expert (lorarl.sync.experts); checkpoints keep PEFT's stacks.
                 tensors = to_vllm_layout(tensors, self.expert_wrappers)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         merge = self.run.model.lora.merge

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError
-from lorarl.expert_lora import is_moe_checkpoint
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_engine_args, vllm_worker
@@ -32,8 +31,10 @@ from lorarl.rollout.vllm_dtype import engine_dtype
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
 from lorarl.schema import vllm_lora_rank
-from lorarl.sync import PayloadKind, SyncStats, WeightPayload
-from lorarl.sync_checks import AdapterLayout, fingerprint_sums
+from lorarl.sync.experts import is_moe_checkpoint
+from lorarl.sync.fingerprint import fingerprint_sums
+from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
+from lorarl.sync.transport import AdapterLayout
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
 # per sync, requests could keep naming an old one; with the same id and no

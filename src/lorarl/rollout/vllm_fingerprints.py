@@ -1,4 +1,4 @@
-"""What lorarl.sync_checks reads from a VLLMRollout: fingerprints of the weights it was sent and of
+"""What lorarl.sync.transport reads from a VLLMRollout: fingerprints of the weights it was sent and of
 the weights (and LoRA stacks) vLLM holds. A mixin of VLLMRollout, kept apart from how it samples and
 applies payloads."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from lorarl.errors import SyncError
 from lorarl.rollout import vllm_worker
 from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
-from lorarl.sync_checks import AdapterLayout, Fingerprint, LoraSlot, combine, resolve
+from lorarl.sync.fingerprint import Fingerprint, combine, resolve
+from lorarl.sync.transport import AdapterLayout, LoraSlot
 
 ADAPTER_ID = 1
 

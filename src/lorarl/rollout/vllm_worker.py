@@ -11,8 +11,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.expert_lora import check_engine_reads_per_expert
-from lorarl.sync_checks import AdapterLayout, LoraSlot, fingerprint_sums_many, peft_scaling, resolve
+from lorarl.sync.experts import check_engine_reads_per_expert
+from lorarl.sync.fingerprint import fingerprint_sums_many, resolve
+from lorarl.sync.transport import AdapterLayout, LoraSlot, peft_scaling
 
 
 def vllm_worker(worker):

@@ -14,8 +14,8 @@ from typing import Any
 
 from lorarl.engines.megatron.names import resolve_lora_targets
 from lorarl.errors import ConfigError
-from lorarl.expert_lora import expert_projections
 from lorarl.schema import LORA_INIT_METHODS as INIT_METHODS  # noqa: F401  (what the tests check against the bridge)
+from lorarl.sync.experts import expert_projections
 
 PEFT_CLASSES = {"lora": "LoRA", "canonical_lora": "CanonicalLoRA"}
 

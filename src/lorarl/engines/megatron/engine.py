@@ -405,7 +405,7 @@ class MegatronEngine:
         (merge_adapter_weights=False), or merged W + BA when model.lora.merge=true (then vLLM
         runs without LoRA).
         """
-        from lorarl.sync import PayloadKind, WeightPayload
+        from lorarl.sync.payload import PayloadKind, WeightPayload
 
         if method not in (None, *self.EXPORT_METHODS):
             raise ValueError(f"the Megatron engine exports through its bridge only, not {method!r}")

@@ -3,7 +3,7 @@
 The session reads exactly one state to choose what to send: whether the rollout holds the base
 weights (`rollout.base_loaded`). The payload kind follows from it, the payload carries that
 kind, and the rollout dispatches on the payload; no second flag exists that could disagree.
-After every sync the exact fingerprint (lorarl.sync_checks); the log-prob probe on the first
+After every sync the exact fingerprint (lorarl.sync.transport); the log-prob probe on the first
 sync after the probe sequences are set (each process's first training rollout, so a resumed
 run probes at once), every trainer.check_sync_probe_freq steps and on the last.
 """
@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from lorarl import sync_checks
 from lorarl.config import RunConfig
 from lorarl.engines.base import Engine
 from lorarl.messages import SyncReport, SyncRequest
-from lorarl.sync import PayloadKind, SyncStats
+from lorarl.sync import probe, transport
+from lorarl.sync.payload import PayloadKind, SyncStats
 
 
 class SyncSession:
@@ -42,7 +42,7 @@ class SyncSession:
         with its first sample), kept for every later sync; the next sync probes. Per vLLM engine:
         every worker of one engine gets the same rollout, so they send it the same requests
         (their all-reduces would mix two different sequences)."""
-        self.probe_seqs = sync_checks.choose_probes(sequences)
+        self.probe_seqs = probe.choose_probes(sequences)
         self._probe_due = True
 
     def sync(self, request: SyncRequest) -> SyncReport:
@@ -56,7 +56,7 @@ class SyncSession:
             stats.append(self._apply(payload, gather_s))
             if self.check:
                 t0 = time.perf_counter()
-                checks["weights_match"], checks["weights_checked"] = sync_checks.verify_weights(self.rollout, self.rank)
+                checks["weights_match"], checks["weights_checked"] = transport.verify_weights(self.rollout, self.rank)
                 checks["weights_check_seconds"] = time.perf_counter() - t0
         if not self.merge:
             # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
@@ -66,7 +66,7 @@ class SyncSession:
             stats.append(self._apply(payload, gather_s))
             if self.check:
                 t0 = time.perf_counter()
-                checks["adapter_match"] = sync_checks.verify_adapter(self.rollout, payload, self.rank)
+                checks["adapter_match"] = transport.verify_adapter(self.rollout, payload, self.rank)
                 checks["adapter_check_seconds"] = time.perf_counter() - t0
         return dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
 
@@ -94,12 +94,12 @@ class SyncSession:
         return stats
 
     @property
-    def probe_bounds(self) -> sync_checks.ProbeBounds:
+    def probe_bounds(self) -> probe.ProbeBounds:
         trainer_fp32 = self.engine.compute_dtype == torch.float32
-        return sync_checks.probe_bounds(trainer_fp32, self.rollout.dtype, self.tolerance)
+        return probe.probe_bounds(trainer_fp32, self.rollout.dtype, self.tolerance)
 
-    def probe(self) -> sync_checks.ProbeReading:
+    def probe(self) -> probe.ProbeReading:
         """Trainer vs vLLM log-probs on the probe sequences, judged; a failure is a SyncError."""
-        reading = sync_checks.measure_probe(self.engine, self.rollout, self.probe_seqs)
-        sync_checks.judge_probe(reading, self.probe_bounds, rank=self.rank)
+        reading = probe.measure_probe(self.engine, self.rollout, self.probe_seqs)
+        probe.judge_probe(reading, self.probe_bounds, rank=self.rank)
         return reading

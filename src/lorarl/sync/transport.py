@@ -1,0 +1,184 @@
+"""The transport check: vLLM holds exactly the bits lorarl sent.
+
+Every LoRA slot vLLM holds is fingerprinted (lorarl.sync.fingerprint) and compared with the same
+reduction of the payload after vLLM's own dtype cast and scaling; a base (or merged) payload is
+compared parameter by parameter. It proves the load, not the export: its expected side is the
+payload itself, so a payload that means the wrong thing passes here and fails the semantic check
+(lorarl.sync.semantic). What it adds over that check: it is exact, so a load that left a slot at
+values too close to the new ones for a tolerance to see (a skipped update after a tiny step) is
+still named.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lorarl.errors import SyncError
+from lorarl.sync.fingerprint import ZERO, Fingerprint, fingerprint_sums_many, resolve
+
+
+@dataclass(frozen=True)
+class LoraSlot:
+    """One LoRA slot vLLM holds for a (possibly fused) module's part: stacked A and B regions."""
+
+    module: str  # vLLM-side module name of the part, e.g. model.layers.0.self_attn.q_proj
+    a_shape: tuple[int, int]  # (max_lora_rank, in)
+    b_shape: tuple[int, int]  # (out, max_lora_rank)
+    a: Fingerprint
+    b: Fingerprint
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What the expected fingerprint needs from vLLM: its LoRA dtype, the scaling rule of its
+    PEFT helper, and the name its loader gives each PEFT tensor."""
+
+    lora_dtype: torch.dtype
+    module_of: object  # callable: PEFT tensor name -> (vLLM module name, is_lora_a)
+    scaling_of: object  # callable: (adapter_config, PEFT module name) -> float
+
+
+def expected_adapter_slots(
+    tensors: Iterable[tuple[str, Tensor]],
+    adapter_config: dict,
+    layout: AdapterLayout,
+    slots: Mapping[str, LoraSlot],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> dict[str, tuple[Fingerprint, Fingerprint]]:
+    """Per vLLM module: the fingerprints its slot must hold after loading this adapter.
+
+    vLLM casts A and B to its LoRA dtype, then multiplies B in that dtype by the module's
+    scaling (alpha / r, or PEFT's patterns); B is stored in an (out, max_lora_rank) slot, so a
+    B of lower rank is padded to it. Modules the adapter does not name must hold zeros. With
+    tensor parallelism each rank holds its slice: B's rows of a column-parallel module (each of
+    q/k/v on its own), A's columns of a row-parallel one; the slot's shape says which.
+    """
+    pairs: dict[str, dict[str, Tensor]] = {}
+    peft_module: dict[str, str] = {}
+    for name, tensor in tensors:
+        module, is_a = layout.module_of(name)
+        pairs.setdefault(module, {})["A" if is_a else "B"] = tensor
+        peft_module[module] = _PEFT_MODULE.sub("", name)
+    out = {module: (ZERO, ZERO) for module in slots}
+    pending: dict[str, tuple[Tensor, Tensor]] = {}
+    for module, ab in pairs.items():
+        if module not in slots and _other_ranks_expert(module, slots):
+            continue  # expert parallelism: another rank holds (and checks) this expert
+        if module not in slots:
+            raise SyncError(
+                f"adapter module '{module}' has no LoRA slot in vLLM (its LoRA modules are e.g. "
+                f"{', '.join(sorted(slots)[:3])}); the rollout cannot serve it"
+            )
+        slot = slots[module]
+        a = _tp_shard(ab["A"].detach(), 1, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
+        b = _tp_shard(ab["B"].detach(), 0, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
+        scaling = layout.scaling_of(adapter_config, peft_module[module])
+        if scaling != 1:
+            b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
+        if b.shape[1] < slot.b_shape[1]:
+            b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[1]))
+        pending[module] = (a, b)
+    resolved = iter(resolve(fingerprint_sums_many([t for pair in pending.values() for t in pair])))
+    out.update({module: (next(resolved), next(resolved)) for module in pending})
+    return out
+
+
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
+
+
+def _other_ranks_expert(module: str, slots: Mapping[str, LoraSlot]) -> bool:
+    """An expert projection this rank has no slot for while it holds other experts of that layer."""
+    match = _EXPERT.match(module)
+    return match is not None and any(s.startswith(match["experts"] + ".") for s in slots)
+
+
+def _tp_shard(t: Tensor, dim: int, size: int, tp_rank: int, tp_size: int) -> Tensor:
+    """The `size`-long slice along `dim` that tensor-parallel rank `tp_rank` holds, as vLLM's
+    LoRA layers slice it: the full tensor when it is not split, and shards shared by several
+    ranks when there are fewer than tp_size of them (key/value heads replicated over ranks)."""
+    if t.shape[dim] <= size:
+        return t
+    shards = t.shape[dim] // size
+    if t.shape[dim] % size or tp_size % shards:
+        raise SyncError(
+            f"cannot tell the tensor-parallel slice of a {tuple(t.shape)} LoRA tensor held as {size} along dim {dim}"
+        )
+    return t.narrow(dim, (tp_rank * shards // tp_size) * size, size)
+
+
+_PEFT_MODULE = re.compile(r"^base_model\.model\.|\.lora_[AB]\.weight$")
+
+
+def peft_scaling(adapter_config: dict, peft_module: str) -> float:
+    """PEFT's scaling for a module: alpha / r (alpha / sqrt(r) with rsLoRA), patterns first.
+
+    Used where vLLM's helper has no per-module rule; patterns match by name suffix as PEFT's do."""
+    rank = _pattern(adapter_config.get("rank_pattern") or {}, peft_module) or adapter_config["r"]
+    alpha = _pattern(adapter_config.get("alpha_pattern") or {}, peft_module) or adapter_config["lora_alpha"]
+    return alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+
+
+def _pattern(pattern: dict, name: str):
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return None
+
+
+def check_adapter_slots(
+    expected: Mapping[str, tuple[Fingerprint, Fingerprint]], held: Mapping[str, LoraSlot], rank: int | None = None
+) -> float:
+    """1.0 when every slot vLLM holds matches; otherwise a SyncError naming the first module."""
+    who = "" if rank is None else f"rank {rank}: "
+    for module in sorted(expected):
+        want_a, want_b = expected[module]
+        slot = held.get(module)
+        if slot is None:
+            raise SyncError(f"{who}after the sync vLLM holds no LoRA slot for '{module}'")
+        for part, want, got in (("lora_A", want_a, slot.a), ("lora_B", want_b, slot.b)):
+            if want != got:
+                state = "zeros" if got == ZERO else "other values"
+                raise SyncError(
+                    f"{who}after the sync vLLM's {part} of '{module}' differs from what the trainer sent "
+                    f"(it holds {state}; {len(expected)} modules checked); the rollout is not using the trained adapter"
+                )
+    return 1.0
+
+
+def verify_adapter(rollout, payload, rank: int | None = None) -> float:
+    """The exact check after an adapter sync: 1.0, or a SyncError naming the first module that
+    differs. `rollout` is a lorarl VLLMRollout, `payload` the adapter WeightPayload it was sent."""
+    held = rollout.held_adapter_slots()
+    expected = expected_adapter_slots(
+        payload.tensors, payload.adapter_config, rollout.adapter_layout(), held, rollout.tp_rank, rollout.tp_size
+    )
+    return check_adapter_slots(expected, held, rank)
+
+
+def verify_weights(rollout, rank: int | None = None) -> tuple[float, int]:
+    """The exact check after a base (or merged) sync: every parameter vLLM serves and can show
+    equals the payload as cast to vLLM's dtype. Returns (1.0, parameters checked); a mismatch is
+    a SyncError naming the first. The CPU build keeps linear weights only in its GEMM library's
+    packed form, so there only the rest (embeddings, norms) can be checked."""
+    who = "" if rank is None else f"rank {rank}: "
+    expected = rollout.sent_weight_fingerprints()
+    held = rollout.held_weight_fingerprints(rollout.sent_numels())
+    checked = 0
+    for name in sorted(held):
+        if held[name] is None:
+            continue
+        got, dtype = held[name]
+        if got != expected[name]:
+            raise SyncError(
+                f"{who}after the sync vLLM's '{name}' ({dtype}) differs from what the trainer sent "
+                f"({len(held)} weights compared); the rollout is not using the trained weights"
+            )
+        checked += 1
+    return 1.0, checked
