@@ -190,6 +190,9 @@ class SyncReport:
     weights_check_seconds: float | None = None
     adapter_match: float | None = None
     adapter_check_seconds: float | None = None
+    # The semantic check (lorarl.sync.semantic): the delta vLLM applies per module is the trainer's.
+    adapter_meaning: float | None = None
+    meaning_check_seconds: float | None = None
     # The log-prob probe (lorarl.probe.ProbeReading), when it was due.
     logprob_diff_max: float | None = None
     logprob_diff_mean: float | None = None
@@ -246,6 +249,8 @@ class SyncReport:
             "weights_check_seconds",
             "adapter_match",
             "adapter_check_seconds",
+            "adapter_meaning",
+            "meaning_check_seconds",
             "logprob_diff_max",
             "logprob_diff_mean",
             "logprob_ref_diff_mean",

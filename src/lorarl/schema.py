@@ -21,6 +21,7 @@ from omegaconf import MISSING
 
 from lorarl.errors import ConfigError, check, one_of
 from lorarl.schema_algorithm import AlgorithmConfig
+from lorarl.sync.faults import FAULTS
 
 HF_LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
@@ -338,8 +339,9 @@ class TrainerConfig:
     # auto: cuda when GPUs are visible, else cpu (gloo).
     device: str = MISSING
     seed: int = MISSING
-    # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), and
-    # trainer and vLLM log-probs on fixed probe sequences must agree (lorarl.sync.probe).
+    # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), each
+    # module's delta in vLLM must be the trainer's (lorarl.sync.semantic), and trainer and vLLM
+    # log-probs on fixed probe sequences must agree (lorarl.sync.probe).
     check_sync: bool = MISSING
     # The probe's bound on the worst token's |log-prob diff| (null: 1e-3 when both sides compute
     # in float32, 0.5 when either is 16-bit; bf16 on H200 measured 0.03 at 0.5B, 0.16-0.31 at 7B).
@@ -348,6 +350,8 @@ class TrainerConfig:
     # prefill per probe sequence, 0.1-0.3 s at 7B on one H200) every this many steps, on the
     # first step each process runs (so a resumed run probes at once) and on the last.
     check_sync_probe_freq: int = MISSING
+    # A test switch that corrupts the export on purpose (lorarl.sync.faults); null for training.
+    sync_fault: str | None = MISSING
     # Relative paths sit inside the run folder, so sweep jobs never share checkpoints; to resume
     # a run, launch again with the same hydra.run.dir, or point resume_mode at a step folder.
     default_local_dir: str = MISSING
@@ -376,6 +380,7 @@ class TrainerConfig:
             self.check_sync_probe_freq >= 1,
             f"trainer.check_sync_probe_freq={self.check_sync_probe_freq} must be >= 1",
         )
+        one_of("trainer.sync_fault", self.sync_fault, (None, *FAULTS))
         check(
             self.stall_report_s is None or self.stall_report_s > 0,
             f"trainer.stall_report_s={self.stall_report_s} must be > 0, or null for no report",

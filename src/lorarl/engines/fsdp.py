@@ -39,6 +39,7 @@ from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync.payload import PayloadKind, WeightPayload
+from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
 
 PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -400,6 +401,22 @@ class FSDPEngine:
             if wrapper.parameter == leaf and stem.startswith(wrapper.module + "."):
                 return wrapper
         return None
+
+    # ---- sync checks -----------------------------------------------------------------------
+
+    def lora_projections(self) -> dict[str, Projection]:
+        """The semantic check's expected side: u^T dW v per LoRA module, from this model's own
+        factors and per-module scaling (lorarl.sync.semantic). Collective: one all-reduce."""
+
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
+
+        return trainer_projections(trainer_loras(self.model), all_reduce if self.world > 1 else None)
+
+    def lora_parameters(self) -> list[torch.Tensor]:
+        """The trainable LoRA factors (FSDP shards), for the first sync's self-test."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # ---- checkpoint ------------------------------------------------------------------------
 

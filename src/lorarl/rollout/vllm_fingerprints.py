@@ -1,11 +1,13 @@
-"""What lorarl.sync.transport reads from a VLLMRollout: fingerprints of the weights it was sent and of
-the weights (and LoRA stacks) vLLM holds. A mixin of VLLMRollout, kept apart from how it samples and
-applies payloads."""
+"""What the sync checks read from a VLLMRollout: fingerprints of the weights it was sent and of the
+weights and LoRA slots vLLM holds (lorarl.sync.transport), and the deltas those slots apply
+(lorarl.sync.semantic). A mixin of VLLMRollout, kept apart from how it samples and applies payloads."""
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from lorarl.errors import SyncError
-from lorarl.rollout import vllm_worker
+from lorarl.rollout import vllm_lora_slots, vllm_worker
 from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
 from lorarl.sync.fingerprint import Fingerprint, combine, resolve
 from lorarl.sync.transport import AdapterLayout, LoraSlot
@@ -49,4 +51,23 @@ class FingerprintReads:
         """Fingerprints of the LoRA stacks vLLM computes with, per module part."""
         if not self.has_adapter:
             raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
-        return self.run_in_worker(vllm_worker.adapter_slots, ADAPTER_ID)
+        return self.run_in_worker(vllm_lora_slots.adapter_slots, ADAPTER_ID)
+
+    def lora_projections(self, wanted: dict[str, tuple[int, int, int]]) -> tuple[Tensor, Tensor, list[str]]:
+        """The semantic check's observed side, whole: per wanted vLLM slot name (-> row, full out,
+        full in), u^T dW v from the slots vLLM computes with, the share of the module held, and the
+        slots holding a delta nobody asked for. With tensor parallelism the ranks of this engine
+        add up their slices (collective over them)."""
+        if not self.has_adapter:
+            raise SyncError("the rollout holds no adapter to check; sync one first")
+        values, share, stray = self.run_in_worker(
+            vllm_lora_slots.lora_projections, ADAPTER_ID, wanted, (self.tp_rank, self.tp_size)
+        )
+        if self.tp_size > 1:
+            import torch.distributed as dist
+            from vllm.distributed.parallel_state import get_tp_group
+
+            group = get_tp_group().cpu_group
+            for t in (values, share):
+                dist.all_reduce(t, group=group)
+        return values, share, stray

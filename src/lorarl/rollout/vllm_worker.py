@@ -13,7 +13,7 @@ from torch import Tensor
 from lorarl.errors import SyncError
 from lorarl.sync.experts import check_engine_reads_per_expert
 from lorarl.sync.fingerprint import fingerprint_sums_many, resolve
-from lorarl.sync.transport import AdapterLayout, LoraSlot, peft_scaling
+from lorarl.sync.transport import AdapterLayout, peft_scaling
 
 
 def vllm_worker(worker):
@@ -170,35 +170,6 @@ def expert_lora_layout(worker) -> tuple[list[str] | None, bool]:
     return (list(names) if names is not None else None), bool(getattr(adapters, "_is_3d_moe_model", False))
 
 
-def _expert_slots(name: str, module, index: int, parts: list[str] | None) -> list[tuple[str, Tensor, Tensor]]:
-    """(part, A slot, B slot) per local expert projection of a fused-MoE LoRA layer.
-
-    vLLM keeps w1 (gate) and w3 (up) in w13_lora_*_stacked[0/1] and w2 (down) in
-    w2_lora_*_stacked[0], each [max_loras, local experts, rows, cols]; its packed sub-module
-    list runs expert-major as (w1, w2, w3) per expert, which names each slot. Under expert
-    parallelism a rank holds experts ep_rank * local ... + local - 1."""
-    if getattr(module, "enable_moe_shared_loras", False) or type(module).__name__ == "FusedMoE3DWithLoRA":
-        raise SyncError(
-            f"vLLM serves {name} with shared or stacked 3-D expert LoRA; lorarl fingerprints the per-expert "
-            "layout only (trainer.check_sync=false turns the sync checks off)"
-        )
-    local = module.w13_lora_a_stacked[0].shape[1]
-    first = getattr(module, "ep_rank", 0) * local if getattr(module, "use_ep", False) else 0
-    gated = len(module.w13_lora_a_stacked) == 2
-    per_expert = 3 if gated else 2
-    if parts is None or len(parts) % per_expert:
-        raise SyncError(f"vLLM lists no per-expert LoRA sub-modules for {name}; lorarl cannot name its slots")
-    out = []
-    for e in range(local):
-        names = parts[(first + e) * per_expert : (first + e + 1) * per_expert]
-        stacks = [(module.w13_lora_a_stacked[0], module.w13_lora_b_stacked[0])]
-        stacks.append((module.w2_lora_a_stacked[0], module.w2_lora_b_stacked[0]))
-        if gated:
-            stacks.append((module.w13_lora_a_stacked[1], module.w13_lora_b_stacked[1]))
-        out += [(part, a[index, e], b[index, e]) for part, (a, b) in zip(names, stacks)]
-    return out
-
-
 def adapter_layout(worker) -> AdapterLayout:
     """vLLM's LoRA dtype, its scaling rule and its PEFT-name -> module-name parser, as its
     loader applies them (in-process engines only: the result holds functions)."""
@@ -227,63 +198,6 @@ def adapter_layout(worker) -> AdapterLayout:
         return helper.vllm_lora_scaling_factor
 
     return AdapterLayout(manager.lora_config.lora_dtype, module_of, scaling_of)
-
-
-def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
-    """Fingerprints of the LoRA stacks vLLM computes with for adapter `lora_id`, per module part.
-
-    A fused module (qkv_proj, gate_up_proj) keeps one stacked slice per projection, named here
-    by the projection (q_proj, ...). Raises when the adapter holds no slot."""
-    _, adapters = _lora_adapters(worker)
-    index_to_id = getattr(adapters, "lora_index_to_id", None)
-    modules = getattr(adapters, "modules", None)
-    if index_to_id is None or modules is None:
-        raise SyncError(
-            "this vLLM's LoRA manager has no lora_index_to_id/modules; lorarl cannot read its adapter slots "
-            "(set trainer.check_sync=false to run without the fingerprint check)"
-        )
-    if lora_id not in index_to_id:
-        raise SyncError(f"vLLM holds adapter id {lora_id} in no active slot")
-    index = index_to_id.index(lora_id)
-    packed = getattr(adapters, "packed_modules", {})
-    by_leaf = getattr(adapters, "packed_modules_mapping", {})
-    found: list[tuple[str, tuple, tuple]] = []
-    held: list[Tensor] = []
-    for name, module in modules.items():
-        if hasattr(module, "w13_lora_a_stacked"):
-            for part, slot_a, slot_b in _expert_slots(name, module, index, packed.get(name)):
-                found.append((part, tuple(slot_a.shape), tuple(slot_b.shape)))
-                held += [slot_a, slot_b]
-            continue
-        stacks_a = getattr(module, "lora_a_stacked", None)
-        stacks_b = getattr(module, "lora_b_stacked", None)
-        if stacks_a is None or stacks_b is None:
-            continue  # no LoRA stacks (e.g. a classification head): nothing an adapter payload fills
-        if "Embedding" in type(module).__name__:
-            # vLLM wraps embeddings for LoRA on some models (Qwen3); lorarl never targets them
-            # (config validation refuses embed_tokens/lm_head), so those slots stay empty.
-            continue
-        if isinstance(stacks_a, Tensor):
-            stacks_a, stacks_b = (stacks_a,), (stacks_b,)
-        parts = packed.get(name)
-        if parts is None:
-            prefix, _, leaf = name.rpartition(".")
-            leaves = by_leaf.get(leaf, [leaf])
-            parts = [f"{prefix}.{p}" if prefix else p for p in leaves] if len(leaves) == len(stacks_a) else [name]
-        if len(parts) != len(stacks_a):
-            parts = [name] if len(stacks_a) == 1 else [f"{name}[{i}]" for i in range(len(stacks_a))]
-        for part, a, b in zip(parts, stacks_a, stacks_b):
-            if a.dim() != 4 or b.dim() != 4:
-                raise SyncError(
-                    f"this vLLM keeps the LoRA stacks of {name} as {tuple(a.shape)} / {tuple(b.shape)}, not "
-                    "(max_loras, 1, rows, cols); lorarl cannot fingerprint them (trainer.check_sync=false turns the "
-                    "sync checks off)"
-                )
-            slot_a, slot_b = a[index, 0], b[index, 0]
-            found.append((part, tuple(slot_a.shape), tuple(slot_b.shape)))
-            held += [slot_a, slot_b]
-    fps = iter(resolve(fingerprint_sums_many(held)))
-    return {part: LoraSlot(part, a_shape, b_shape, next(fps), next(fps)) for part, a_shape, b_shape in found}
 
 
 def model_dtype(worker):

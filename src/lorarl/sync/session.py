@@ -3,7 +3,9 @@
 The session reads exactly one state to choose what to send: whether the rollout holds the base
 weights (`rollout.base_loaded`). The payload kind follows from it, the payload carries that
 kind, and the rollout dispatches on the payload; no second flag exists that could disagree.
-After every sync the exact fingerprint (lorarl.sync.transport); the log-prob probe on the first
+After every adapter sync the transport check (lorarl.sync.transport: vLLM holds the bytes sent) and
+the semantic check (lorarl.sync.semantic: they apply the trainer's deltas), the first one of a
+process preceded by a self-test on random factors; the log-prob probe on the first
 sync after the probe sequences are set (each process's first training rollout, so a resumed
 run probes at once), every trainer.check_sync_probe_freq steps and on the last.
 """
@@ -18,7 +20,8 @@ import torch
 from lorarl.config import RunConfig
 from lorarl.engines.base import Engine
 from lorarl.messages import SyncReport, SyncRequest
-from lorarl.sync import probe, transport
+from lorarl.sync import probe, semantic, transport
+from lorarl.sync.faults import SyncFault
 from lorarl.sync.payload import PayloadKind, SyncStats
 
 
@@ -32,6 +35,10 @@ class SyncSession:
         self.probe_freq = run.trainer.check_sync_probe_freq
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
         self._probe_due = False
+        self.fault = SyncFault(run.trainer.sync_fault)
+        self.fault.on_engine(engine)
+        # Whether the export has been checked once with non-zero factors (lorarl.sync.semantic).
+        self._self_tested = False
 
     @property
     def wants_probes(self) -> bool:
@@ -59,16 +66,42 @@ class SyncSession:
                 checks["weights_match"], checks["weights_checked"] = transport.verify_weights(self.rollout, self.rank)
                 checks["weights_check_seconds"] = time.perf_counter() - t0
         if not self.merge:
-            # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
-            payload, gather_s = self.engine.export(
-                PayloadKind.ADAPTER, method=self.method, dtype=self.rollout.torch_dtype
-            )
+            if self.check and not self._self_tested:
+                self._self_test()
+            payload, gather_s = self._export_adapter()
             stats.append(self._apply(payload, gather_s))
             if self.check:
-                t0 = time.perf_counter()
-                checks["adapter_match"] = transport.verify_adapter(self.rollout, payload, self.rank)
-                checks["adapter_check_seconds"] = time.perf_counter() - t0
+                checks.update(self._check_adapter(payload))
         return dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
+
+    def _export_adapter(self):
+        # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
+        payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=self.method, dtype=self.rollout.torch_dtype)
+        return self.fault.corrupt(payload, self.engine), gather_s
+
+    def _check_adapter(self, payload) -> dict:
+        """Transport (vLLM holds the bytes sent), then meaning (those bytes apply the trainer's deltas)."""
+        t0 = time.perf_counter()
+        match = transport.verify_adapter(self.rollout, payload, self.rank)
+        t1 = time.perf_counter()
+        meaning = semantic.verify(self.engine, self.rollout, self.rank)
+        t2 = time.perf_counter()
+        return {
+            "adapter_match": match,
+            "adapter_check_seconds": t1 - t0,
+            "adapter_meaning": meaning,
+            "meaning_check_seconds": t2 - t1,
+        }
+
+    def _self_test(self) -> None:
+        """Once per process, before the first adapter sync: the whole export -> load -> checks on
+        seeded random factors, then the trained ones back. A fresh adapter's B is zero, so every
+        delta is zero and a wrong layout would pass the semantic check until training moved it."""
+        with semantic.randomized(self.engine.lora_parameters()):
+            payload, _ = self._export_adapter()
+            self.rollout.apply(payload)
+            self._check_adapter(payload)
+        self._self_tested = True
 
     def probe_if_due(self, request: SyncRequest, report: SyncReport) -> None:
         """After `sync`, with the rollout fully awake (the probe generates, so it needs the KV
