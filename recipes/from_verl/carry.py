@@ -43,9 +43,11 @@ class Overrides(dict):
         return [f"{k}={v}" for k, v in self.items()]
 
 
-def derive(out: Overrides, values: dict[str, str], backend: str, result: Translation) -> None:
-    """The values verl computes from others."""
+def derive(out: Overrides, values: dict[str, str], backend: str, result: Translation) -> set[str]:
+    """The values verl computes from others; returns the verl keys whose default does not apply."""
+    unused = set()
     if effective(values, A + "actor.policy_loss.loss_mode", backend) == "gspo":
+        unused.add(A + "actor.clip_ratio_c")
         if "actor.clip_ratio_c" in out:
             del out["actor.clip_ratio_c"]
             result.ignored.append(
@@ -82,6 +84,7 @@ def derive(out: Overrides, values: dict[str, str], backend: str, result: Transla
             result.differences.append(Difference(key, values[key], "-", "1", verl_row(key)[0].note))
             result.notes.append(f"{key}={values[key]}: lorarl has no sequence splitting, so each device holds "
                                 f"whole sequences and its activation memory is about {values[key]}x verl's")  # fmt: skip
+    return unused
 
 
 def composed(overrides: list[str]):
@@ -97,12 +100,19 @@ def composed(overrides: list[str]):
 def carry_defaults(overrides: list[str], values: dict[str, str], backend: str, result: Translation) -> list[str]:
     """`overrides` with verl's defaults stated where lorarl's differ; records each difference kept."""
     out = Overrides.of(overrides)
-    derive(out, values, backend, result)
+    unused = derive(out, values, backend, result)
     set_by_script = {verl_row(k)[1] for k in values}
     cfg = composed(out.as_list())
     for row in VERL_KEYS:
         known, default = default_of(row, backend)
-        if not known or row.to in (None, "+backend") or row.to in set_by_script or row.to in out or row.verl in values:
+        if (
+            not known
+            or row.verl in unused
+            or row.to in (None, "+backend")
+            or row.to in set_by_script
+            or row.to in out
+            or row.verl in values
+        ):
             continue
         if row.convert or row.values:
             default = parsed(

@@ -51,6 +51,8 @@ def check(cmd: list[str], result) -> int:
     from recipes.from_verl.check import difference_table, run_checks
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print("# keys whose lorarl value differs from verl's:")
+    print(difference_table(result))
     try:
         done = run_checks(cmd[3:])
     except LorarlError as err:
@@ -58,8 +60,6 @@ def check(cmd: list[str], result) -> int:
         return 2
     for line in done:
         print(f"# checked: {line}")
-    print("# keys whose lorarl value differs from verl's:")
-    print(difference_table(result))
     return 0
 
 

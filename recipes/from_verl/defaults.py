@@ -35,8 +35,6 @@ DELIBERATE: dict[str, str] = {
     A + "actor.megatron.vanilla_mbridge": "verl's LoRA on Megatron goes through Megatron-Bridge, as lorarl's "
     "always does",
     A + "actor.megatron.sequence_parallel": "carried as verl applies it: on when tensor parallel > 1",
-    A + "actor.clip_ratio_c": "carried, except under GSPO whose loss ignores it in verl",
-    A + "actor.loss_agg_mode": "carried, except under GSPO whose loss always uses seq-mean-token-mean in verl",
     A + "ref.log_prob_max_token_len_per_gpu": "verl's default follows actor.ppo_max_token_len_per_gpu; lorarl's "
     "null is twice that (passes without backward keep no activations)",
     A + "rollout.log_prob_max_token_len_per_gpu": "verl's default follows actor.ppo_max_token_len_per_gpu; "
