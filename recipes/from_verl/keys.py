@@ -157,8 +157,7 @@ ACTOR_KEYS = (
     Key(
         A + "actor.ulysses_sequence_parallel_size",
         None,
-        "no sequence parallelism: each device holds whole "
-        "sequences, its activation memory grows by this factor (--check prints the estimate)",
+        "no sequence parallelism: each device holds whole sequences, its activation memory grows by this factor",
     ),  # fmt: skip
     Key(A + "actor.fsdp_config.param_offload", "backend.param_offload"),
     Key(A + "actor.fsdp_config.optimizer_offload", "backend.optimizer_offload"),
@@ -181,8 +180,7 @@ ACTOR_KEYS = (
     Key(
         A + "actor.megatron.context_parallel_size",
         None,
-        "no context parallelism: each device holds whole "
-        "sequences, its activation memory grows by this factor (--check prints the estimate)",
+        "no context parallelism: each device holds whole sequences, its activation memory grows by this factor",
     ),  # fmt: skip
     Key(
         A + "actor.megatron.override_transformer_config.context_parallel_size",
