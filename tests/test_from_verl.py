@@ -265,11 +265,8 @@ RANKED = ["actor_rollout_ref.model.lora_rank=8", "algorithm.adv_estimator=grpo"]
             "vanilla_mbridge=True: lorarl supports only False or false (LoRA is exported through Megatron-Bridge",
         ),
         (
-            [
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
-            ],
-            "both set actor.log_prob_max_token_len_per_gpu",
+            ["actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
+            "both set actor.grad_clip",
         ),
         (["data.train_files"], "not a verl override"),
     ],

@@ -304,3 +304,27 @@ def test_check_validates_and_prints_the_differences(tmp_path):
     assert "ppo_micro_batch_size=16 is global: 4 per GPU over 4 data-parallel replicas" in out.stderr
     bad = subprocess.run([*cmd, "--", "trainer.save_freq=5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: trainer.save_freq")
+
+
+def test_slurm_launch_infers_megatron_and_keeps_what_the_backend_has(tmp_path):
+    """`srun ... python -m` is recorded; Megatron keys under a custom --config-name pick the
+    Megatron backend, where FSDP-only keys are ignored with the reason; two log-prob budgets
+    become the smaller; a key whose variable is unset is named."""
+    script = tmp_path / "slurm.sh"
+    script.write_text(
+        'srun --nodes=1 --ntasks=1 python -m verl.trainer.main_ppo --config-name=my_trainer "$@" \\\n'
+        f"  {' '.join(LORA)} {A}actor.megatron.tensor_model_parallel_size=2 {A}actor.use_torch_compile=False \\\n"
+        f"  {A}ref.log_prob_max_token_len_per_gpu=8192 {A}rollout.log_prob_max_token_len_per_gpu=4096 \\\n"
+        f"  trainer.nnodes=$SLURM_NNODES {A}actor.megatron.dist_checkpointing_path=$UNSET_DIR\n"
+    )
+    launch = script_launch(script)
+    with pytest.raises(VerlTranslationError) as err:
+        translate(launch.args)
+    assert err.value.problems == [
+        "trainer.nnodes= has no value (a variable the script did not set?); set it or give the value"
+    ]
+    result = translate([*launch.args, "trainer.nnodes=1"])
+    assert (
+        result.overrides[0] == "+backend=megatron" and "actor.log_prob_max_token_len_per_gpu=4096" in result.overrides
+    )
+    assert (A + "actor.use_torch_compile", "False", "not a setting of +backend=megatron") in result.ignored

@@ -32,6 +32,15 @@ def effective(values: dict[str, str], key: str, backend: str):
     return parsed(values[key]) if key in values else verl_defaults()[backend].get(key)
 
 
+def whole(values: dict[str, str], key: str, backend: str) -> int:
+    """An integer setting as verl runs it (null: 1, verl's meaning for a parallel size)."""
+    value = effective(values, key, backend)
+    try:
+        return 1 if value is None else int(value)
+    except (TypeError, ValueError):
+        raise VerlTranslationError(f"{key}={values.get(key, value)}: not a whole number") from None
+
+
 class Overrides(dict):
     """lorarl key -> value, in order; `+backend=...`-style heads keep their place."""
 
@@ -59,28 +68,22 @@ def derive(out: Overrides, values: dict[str, str], backend: str, result: Transla
             result.differences.append(Difference(A + "actor.loss_agg_mode", str(agg), "actor.loss_agg_mode", GSPO_AGG,
                                                  "verl's GSPO loss aggregates seq-mean-token-mean whatever this says"))  # fmt: skip
     if backend == "megatron":
-        sp = bool(effective(values, SP, backend)) and int(effective(values, TP, backend) or 1) > 1
+        sp = bool(effective(values, SP, backend)) and whole(values, TP, backend) > 1
         out["backend.sequence_parallel"] = render(sp)
         if sp:
             out["backend.transformer_impl"] = "transformer_engine"
             result.notes.append("sequence parallelism (verl's default with tensor parallel > 1) needs Transformer "
                                 "Engine layers: backend.transformer_impl=transformer_engine")  # fmt: skip
-    if MICRO in values and "actor.ppo_micro_batch_size_per_gpu" not in out:
-        world = int(effective(values, "trainer.nnodes", backend)) * int(
-            effective(values, "trainer.n_gpus_per_node", backend)
-        )
-        split = (
-            int(effective(values, TP, backend) or 1) * int(effective(values, PP, backend) or 1)
-            if backend == "megatron"
-            else 1
-        )
+    if MICRO in values and parsed(values[MICRO]) is not None and "actor.ppo_micro_batch_size_per_gpu" not in out:
+        world = whole(values, "trainer.nnodes", backend) * whole(values, "trainer.n_gpus_per_node", backend)
+        split = whole(values, TP, backend) * whole(values, PP, backend) if backend == "megatron" else 1
         dp = max(1, world // split)
-        per_gpu = max(1, int(parsed(values[MICRO])) // dp)
+        per_gpu = max(1, whole(values, MICRO, backend) // dp)
         out["actor.ppo_micro_batch_size_per_gpu"] = str(per_gpu)
         result.notes.append(f"{MICRO}={values[MICRO]} is global: {per_gpu} per GPU over {dp} data-parallel replicas")
     for key in (A + "actor.ulysses_sequence_parallel_size", A + "actor.megatron.context_parallel_size",
                 A + "actor.megatron.override_transformer_config.context_parallel_size"):  # fmt: skip
-        if key in values and int(parsed(values[key])) > 1:
+        if key in values and whole(values, key, backend) > 1:
             result.differences.append(Difference(key, values[key], "-", "1", verl_row(key)[0].note))
             result.notes.append(f"{key}={values[key]}: lorarl has no sequence splitting, so each device holds "
                                 f"whole sequences and its activation memory is about {values[key]}x verl's")  # fmt: skip

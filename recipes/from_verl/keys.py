@@ -162,7 +162,11 @@ ACTOR_KEYS = (
     Key(A + "actor.fsdp_config.param_offload", "backend.param_offload"),
     Key(A + "actor.fsdp_config.optimizer_offload", "backend.optimizer_offload"),
     Key(A + "actor.fsdp_config.reshard_after_forward", "backend.reshard_after_forward"),
-    Key(A + "actor.fsdp_config.fsdp_size", None, "FSDP shards over every worker", only=("-1",)),
+    Key(
+        A + "actor.fsdp_config.fsdp_size",
+        None,
+        "the sharding group's size changes memory only; FSDP shards over every worker",
+    ),  # fmt: skip
     Key(A + "actor.fsdp_config.*", None, FSDP_LAYOUT),
     Key(A + "actor.megatron.tensor_model_parallel_size", "backend.tensor_model_parallel_size"),
     Key(A + "actor.megatron.pipeline_model_parallel_size", "backend.pipeline_model_parallel_size"),
@@ -211,7 +215,11 @@ ACTOR_KEYS = (
 )
 
 ROLLOUT_KEYS = (
-    Key(A + "ref.log_prob_max_token_len_per_gpu", "actor.log_prob_max_token_len_per_gpu", "one budget for both passes"),
+    Key(
+        A + "ref.log_prob_max_token_len_per_gpu",
+        "actor.log_prob_max_token_len_per_gpu",
+        "one budget for both passes: the smaller of the two when both are set",
+    ),  # fmt: skip
     Key(A + "ref.log_prob_micro_batch_size_per_gpu", None, ON_POLICY),
     Key(A + "ref.log_prob_micro_batch_size", None, ON_POLICY),
     Key(A + "ref.log_prob_use_dynamic_bsz", None, ON_POLICY),
@@ -235,7 +243,11 @@ ROLLOUT_KEYS = (
     Key(A + "rollout.multi_stage_wake_up", None, "the engine's sleep is planned by memory (rollout.free_cache_engine)"),
     Key(A + "rollout.dtype", "rollout.dtype"),
     Key(A + "rollout.max_model_len", "rollout.max_model_len"),
-    Key(A + "rollout.log_prob_max_token_len_per_gpu", "actor.log_prob_max_token_len_per_gpu"),
+    Key(
+        A + "rollout.log_prob_max_token_len_per_gpu",
+        "actor.log_prob_max_token_len_per_gpu",
+        "one budget for both passes: the smaller of the two when both are set",
+    ),  # fmt: skip
     Key(A + "rollout.log_prob_micro_batch_size_per_gpu", None, ON_POLICY),
     Key(A + "rollout.log_prob_micro_batch_size", None, ON_POLICY),
     Key(A + "rollout.log_prob_use_dynamic_bsz", None, ON_POLICY),

@@ -1,9 +1,9 @@
 """The arguments a verl launch script passes to its trainer.
 
-The script runs in bash inside an empty temporary folder with `python`, `python3`, `torchrun`
-and `ray` replaced by a recorder: variables, arrays and arithmetic expand as they would for
+The script runs in bash inside an empty temporary folder with `python`, `python3`, `torchrun`,
+`ray`, `srun` and `nohup` replaced by a recorder: variables, arrays and arithmetic expand as they would for
 verl. The first call that runs a `-m <module>` of verl or verl-recipe (directly, or after
-`ray job submit ... --`) is recorded. Commands the script runs before it (conda, exports,
+`ray job submit ... --` or `srun ...`) is recorded. Commands the script runs before it (conda, exports,
 mkdir, nvidia-smi) cannot stop it: `conda` and `source activate` do nothing, a missing command
 is skipped, and `set -e` failures are not fatal. Paths built from the temporary folder
 (`$PWD`, `$(pwd)`) are given back as the folder the translation was started in.
@@ -43,6 +43,8 @@ python() { record "$@"; }
 python3() { record "$@"; }
 torchrun() { record "$@"; }
 ray() { record "$@"; }
+srun() { record "$@"; }
+nohup() { record "$@"; }
 conda() { return 0; }
 nvidia-smi() { return 0; }
 command_not_found_handle() { return 0; }

@@ -22,7 +22,8 @@ from recipes.from_verl.models import model_preset, preset_names
 
 RANK_KEYS = (A + "model.lora_rank", A + "model.lora.rank")
 FULL_FT_LR = 5e-6  # below this a learning rate is a full fine-tune's; LoRA trains at ~1e-5 and up
-WORLD_SPLITS = (A + "actor.ulysses_sequence_parallel_size", A + "actor.megatron.context_parallel_size")
+# lorarl keys that several verl keys set, where the smaller value keeps within every budget.
+SMALLER_WINS = ("actor.log_prob_max_token_len_per_gpu",)
 
 
 @dataclass
@@ -117,9 +118,14 @@ def read_args(args: list[str], problems: list[str]) -> tuple[str, dict[str, str]
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         problems.append(f"{key}: not a verl key lorarl knows{hint}; remove it or see recipes/from_verl/keys.py")
         del values[key]
+    for key, value in values.items():
+        if value.strip() == "" and verl_row(key)[1] is not None:
+            problems.append(f"{key}= has no value (a variable the script did not set?); set it or give the value")
     strategy = values.get(A + "actor.strategy")
     if strategy is not None:
         backend = BY_VERL[A + "actor.strategy"].values.get(strategy, backend)
+    elif any(k.startswith(A + "actor.megatron.") for k in values):
+        backend = "megatron"  # only a Megatron config has these keys (a custom --config-name)
     return backend, values
 
 
@@ -156,9 +162,15 @@ def translate(
         value = row.convert(value) if row.convert else row.values.get(value, value)
         if to == "+backend" or key in derived_values():
             continue
-        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
-            problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
+        if not backend_has(backend, to):
+            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
             continue
+        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
+            if to in SMALLER_WINS:
+                value = str(min(int(parsed(mapped[to][0])), int(parsed(value))))
+            else:
+                problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
+                continue
         mapped[to] = (value, key)
     check_lora(values, backend, lora_rank, mapped, result, problems)
     head = [f"+backend={backend}"]
@@ -174,6 +186,18 @@ def translate(
     overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
     result.overrides = carry_defaults(overrides, values, backend, result)
     return result
+
+
+def backend_has(backend: str, to: str) -> bool:
+    """Whether a lorarl key outside `backend.` or a field of the chosen backend's schema."""
+    from dataclasses import fields
+
+    from lorarl.schema_backends import FSDPBackendConfig, MegatronBackendConfig
+
+    if not to.lstrip("+").startswith("backend."):
+        return True
+    schema = MegatronBackendConfig if backend == "megatron" else FSDPBackendConfig
+    return to.lstrip("+").split(".")[1] in {f.name for f in fields(schema)}
 
 
 def check_lora(values, backend, lora_rank, mapped, result: Translation, problems: list[str]) -> None:
