@@ -328,3 +328,32 @@ def test_slurm_launch_infers_megatron_and_keeps_what_the_backend_has(tmp_path):
         result.overrides[0] == "+backend=megatron" and "actor.log_prob_max_token_len_per_gpu=4096" in result.overrides
     )
     assert (A + "actor.use_torch_compile", "False", "not a setting of +backend=megatron") in result.ignored
+
+
+def test_check_estimates_what_a_sequence_split_costs(tmp_path):
+    """Ulysses sequence parallelism translates to whole sequences per device; with the model's
+    config on this machine --check runs the shape checks and prints lorarl's memory estimate."""
+    from transformers import Qwen2Config
+
+    from lorarl.memory import GIB, ModelDims, run_update_bytes
+
+    model = tmp_path / "Qwen2.5-7B-Instruct"
+    shape = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28)
+    Qwen2Config(**shape, num_key_value_heads=4, vocab_size=152064).save_pretrained(model)
+    args = LORA + [
+        f"{A}model.path={model}",
+        f"{A}actor.ulysses_sequence_parallel_size=2",
+        f"{A}rollout.n=4",
+        "data.train_batch_size=16",
+        f"{A}actor.ppo_mini_batch_size=8",
+        f"{A}actor.ppo_micro_batch_size_per_gpu=2",
+        "trainer.n_gpus_per_node=8",
+    ]
+    cmd = [sys.executable, "-m", "recipes.from_verl", "--check", *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run = compose(translate(args).overrides)
+    want = run_update_bytes(run, ModelDims.of(Qwen2Config.from_pretrained(model)), 8, 1) / GIB
+    assert "# checked: parallel sizes against the model's heads" in out.stdout
+    assert f"is not used; the update's estimated peak on one device is {want:.1f} GiB" in out.stdout
+    assert "| actor_rollout_ref.actor.ulysses_sequence_parallel_size | 2 | - | 1 |" in out.stdout

@@ -84,6 +84,7 @@ def derive(out: Overrides, values: dict[str, str], backend: str, result: Transla
     for key in (A + "actor.ulysses_sequence_parallel_size", A + "actor.megatron.context_parallel_size",
                 A + "actor.megatron.override_transformer_config.context_parallel_size"):  # fmt: skip
         if key in values and whole(values, key, backend) > 1:
+            result.splits[key] = whole(values, key, backend)
             result.differences.append(Difference(key, values[key], "-", "1", verl_row(key)[0].note))
             result.notes.append(f"{key}={values[key]}: lorarl has no sequence splitting, so each device holds "
                                 f"whole sequences and its activation memory is about {values[key]}x verl's")  # fmt: skip

@@ -26,9 +26,25 @@ def local_hf_config(path: str, trust_remote_code: bool):
         return None
 
 
-def run_checks(overrides: list[str]) -> list[str]:
+def split_costs(run, hf, splits: dict[str, int]) -> list[str]:
+    """What holding whole sequences costs where verl split them: lorarl's estimate of the
+    update's peak on one device (lorarl.memory), of which verl's split holds about 1/N of the
+    activations."""
+    from lorarl.memory import GIB, ModelDims, run_update_bytes
+
+    mp = run.backend.model_parallel_size()
+    need = run_update_bytes(run, ModelDims.of(hf), max(1, run.world_size // mp), mp)
+    return [
+        f"memory: {key}={n} is not used; the update's estimated peak on one device is {need / GIB:.1f} GiB "
+        f"with whole sequences, where verl's split over {n} devices holds about 1/{n} of the activations"
+        for key, n in splits.items()
+    ]
+
+
+def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> list[str]:
     """lorarl's validation of `overrides`, then its model-shape and vLLM-argument checks where
-    they can run here. Returns what was checked, one line each; raises LorarlError on a problem."""
+    they can run here, and the cost of verl's sequence `splits`. Returns what was checked, one
+    line each; raises LorarlError on a problem."""
     from lorarl.config import check_model_shape, compose
     from lorarl.preflight import check_engine_kwargs
 
@@ -39,6 +55,9 @@ def run_checks(overrides: list[str]) -> list[str]:
     hf = local_hf_config(run.model.path, run.model.trust_remote_code)
     if hf is None:
         done.append(f"model shape checks skipped: {run.model.path} is not on this machine")
+        done += [
+            f"memory: {key}={n} is not used; its cost needs the model's config" for key, n in (splits or {}).items()
+        ]
         return done
     check_model_shape(
         run,
@@ -49,4 +68,4 @@ def run_checks(overrides: list[str]) -> list[str]:
         num_experts=int(getattr(hf, "num_experts", None) or 0),
     )
     done.append("parallel sizes against the model's heads, layers, vocabulary and experts")
-    return done
+    return done + split_costs(run, hf, splits or {})

@@ -54,7 +54,7 @@ def check(cmd: list[str], result) -> int:
     print("# keys whose lorarl value differs from verl's:")
     print(difference_table(result))
     try:
-        done = run_checks(cmd[3:])
+        done = run_checks(cmd[3:], result.splits)
     except LorarlError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -46,6 +46,8 @@ class Translation:
     carried: list[tuple[str, str]] = field(default_factory=list)  # (verl key, the override carrying its default)
     differences: list[Difference] = field(default_factory=list)
     backend: str = "fsdp"
+    # verl's sequence splits lorarl does without ({verl key: size}): --check estimates their cost.
+    splits: dict[str, int] = field(default_factory=dict)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "recipes.grpo", *self.overrides]
