@@ -6,7 +6,8 @@ Writes two files, each naming the commit it was read from:
   verl_defaults.json  verl's trainer defaults, flat dotted key -> value, for the FSDP config
                       (verl/trainer/config/_generated_ppo_trainer.yaml) and the Megatron one
                       (_generated_ppo_megatron_trainer.yaml), interpolations resolved where
-                      they resolve inside the file;
+                      they resolve inside the file; and under "dapo", the keys verl-recipe's
+                      DAPO configs (dapo/config/dapo_*trainer.yaml) set on top of those;
   script_keys.json    for every shell script under verl's examples/ and verl-recipe's dapo/:
                       the `-m` module it launches and the config keys it sets.
 A checkout is a work tree or a bare git directory (read at HEAD). The keys are read from the
@@ -29,6 +30,7 @@ CONFIGS = {
     "fsdp": "verl/trainer/config/_generated_ppo_trainer.yaml",
     "megatron": "verl/trainer/config/_generated_ppo_megatron_trainer.yaml",
 }
+DAPO_CONFIGS = {"fsdp": "dapo/config/dapo_trainer.yaml", "megatron": "dapo/config/dapo_megatron_trainer.yaml"}
 TREES = {"verl": ("examples/",), "verl-recipe": ("dapo/",)}
 MODULE = re.compile(r"-m\s+([A-Za-z_][\w.]*)")
 
@@ -58,6 +60,17 @@ def defaults(verl: Path) -> dict:
     for backend, path in CONFIGS.items():
         cfg = OmegaConf.create(git(verl, "show", f"HEAD:{path}"))
         out[backend] = dict(sorted(flatten(cfg).items()))
+    return out
+
+
+def dapo_overlay(recipe: Path) -> dict:
+    """The keys verl-recipe's DAPO configs set over verl's (their own body, not the defaults list)."""
+    out = {}
+    for backend, path in DAPO_CONFIGS.items():
+        cfg = OmegaConf.create(git(recipe, "show", f"HEAD:{path}"))
+        for key in ("hydra", "defaults"):
+            cfg.pop(key, None)
+        out[backend] = {k: v for k, v in sorted(flatten(cfg).items()) if not k.endswith("._target_")}
     return out
 
 
@@ -101,9 +114,10 @@ def main() -> None:
     flat = defaults(ns.verl)
     roots = {k.split(".")[0] for b in flat.values() for k in b} | {"hydra", "reward"}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "verl_defaults.json").write_text(
-        json.dumps({"repository": "volcengine/verl", "commit": verl_commit, "files": CONFIGS, **flat}, indent=1) + "\n"
-    )
+    dapo = {"repository": "verl-project/verl-recipe", "commit": recipe_commit, "files": DAPO_CONFIGS}
+    dapo.update(dapo_overlay(ns.recipe))
+    head = {"repository": "volcengine/verl", "commit": verl_commit, "files": CONFIGS}
+    (OUT / "verl_defaults.json").write_text(json.dumps({**head, **flat, "dapo": dapo}, indent=1) + "\n")
     keys = {
         "verl": {
             "repository": "volcengine/verl",

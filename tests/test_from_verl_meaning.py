@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from lorarl.config import compose, compose_values
 from recipes.from_verl import VerlTranslationError, script_launch, translate, verl_row
-from recipes.from_verl.defaults import DELIBERATE, default_of, verl_defaults
+from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
 from recipes.from_verl.keys import VERL_KEYS
 from recipes.from_verl.launch import GRPO_MODULES, OTHER_MODULES, check_module
 from recipes.from_verl.models import model_preset
@@ -63,12 +63,12 @@ def test_other_entry_points_are_refused_with_a_reason(module):
         check_module(module)
 
 
-def mismatched_defaults(backend: str, overrides: list[str]) -> list[str]:
+def mismatched_defaults(backend: str, overrides: list[str], dapo: bool = False) -> list[str]:
     """Mapped keys whose composed lorarl value is neither verl's default nor a listed difference."""
     cfg = compose_values(overrides)
     bad = []
     for row in VERL_KEYS:
-        known, default = default_of(row, backend)
+        known, default = default_of(row, backend, defaults_for(backend, dapo))
         if (
             not known
             or row.to in (None, "+backend")
@@ -85,10 +85,12 @@ def mismatched_defaults(backend: str, overrides: list[str]) -> list[str]:
     return bad
 
 
+@pytest.mark.parametrize("module", ["verl.trainer.main_ppo", "recipe.dapo.main_dapo"])
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_every_mapped_default_is_carried_or_listed_with_its_reason(backend):
+def test_every_mapped_default_is_carried_or_listed_with_its_reason(backend, module):
     args = LORA + ([A + "actor.strategy=megatron"] if backend == "megatron" else [])
-    assert mismatched_defaults(backend, translate(args).overrides) == []
+    overrides = translate(args, module=module).overrides
+    assert mismatched_defaults(backend, overrides, dapo="dapo" in module) == []
     for key, reason in DELIBERATE.items():
         assert reason and verl_row(key)[0] is not None, key
 
@@ -218,7 +220,7 @@ def test_ray_submitted_dapo_megatron_moe_launch_translates_and_validates(tmp_pat
     launch = script_launch(script, cwd=work)
     assert launch.module == "recipe.dapo.main_dapo" and launch.args[0] == "--config-name=dapo_megatron_trainer"
     assert not (work / "ckpts").exists()  # the script's mkdir ran in a temporary folder
-    result = translate(launch.args)
+    result = translate(launch.args, module=launch.module)
     assert result.overrides[:2] == ["+backend=megatron", "model=qwen3_30b_a3b"]
     assert f"trainer.default_local_dir={work}/ckpts/dapo" in result.overrides
     assert any("context_parallel_size=2" in n and "2x" in n for n in result.notes)
@@ -357,3 +359,12 @@ def test_check_estimates_what_a_sequence_split_costs(tmp_path):
     assert "# checked: parallel sizes against the model's heads" in out.stdout
     assert f"is not used; the update's estimated peak on one device is {want:.1f} GiB" in out.stdout
     assert "| actor_rollout_ref.actor.ulysses_sequence_parallel_size | 2 | - | 1 |" in out.stdout
+
+
+def test_dapo_starts_from_verl_recipes_dapo_defaults():
+    """verl-recipe's DAPO config leaves the overlong penalty factor at 0 and gen batches unlimited."""
+    args = LORA + ["algorithm.filter_groups.enable=True", "reward_model.overlong_buffer.enable=True"]
+    dapo = compose_values(
+        translate(args + ["reward_model.overlong_buffer.len=128"], module="recipe.dapo.main_dapo").overrides
+    )
+    assert (dapo.algorithm.overlong_buffer.penalty_factor, dapo.algorithm.filter_groups.max_num_gen_batches) == (0.0, 0)

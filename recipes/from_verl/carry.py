@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from recipes.from_verl.defaults import DELIBERATE, default_of, verl_defaults
+from recipes.from_verl.defaults import DELIBERATE, default_of
 from recipes.from_verl.errors import VerlTranslationError
 from recipes.from_verl.keys import VERL_KEYS, A, verl_row
 from recipes.from_verl.translate import Difference, Translation, parsed, render, same
@@ -27,14 +27,14 @@ def derived_values() -> frozenset[str]:
     return frozenset({SP, MICRO})
 
 
-def effective(values: dict[str, str], key: str, backend: str):
+def effective(values: dict[str, str], key: str, defaults: dict):
     """The value verl runs with: the script's, else verl's default."""
-    return parsed(values[key]) if key in values else verl_defaults()[backend].get(key)
+    return parsed(values[key]) if key in values else defaults.get(key)
 
 
-def whole(values: dict[str, str], key: str, backend: str) -> int:
+def whole(values: dict[str, str], key: str, defaults: dict) -> int:
     """An integer setting as verl runs it (null: 1, verl's meaning for a parallel size)."""
-    value = effective(values, key, backend)
+    value = effective(values, key, defaults)
     try:
         return 1 if value is None else int(value)
     except (TypeError, ValueError):
@@ -52,39 +52,39 @@ class Overrides(dict):
         return [f"{k}={v}" for k, v in self.items()]
 
 
-def derive(out: Overrides, values: dict[str, str], backend: str, result: Translation) -> set[str]:
+def derive(out: Overrides, values: dict[str, str], backend: str, defaults: dict, result: Translation) -> set[str]:
     """The values verl computes from others; returns the verl keys whose default does not apply."""
     unused = set()
-    if effective(values, A + "actor.policy_loss.loss_mode", backend) == "gspo":
+    if effective(values, A + "actor.policy_loss.loss_mode", defaults) == "gspo":
         unused.add(A + "actor.clip_ratio_c")
         if "actor.clip_ratio_c" in out:
             del out["actor.clip_ratio_c"]
             result.ignored.append(
                 (A + "actor.clip_ratio_c", values[A + "actor.clip_ratio_c"], "verl's GSPO loss ignores it")
             )
-        agg = effective(values, A + "actor.loss_agg_mode", backend)
+        agg = effective(values, A + "actor.loss_agg_mode", defaults)
         out["actor.loss_agg_mode"] = GSPO_AGG
         if agg != GSPO_AGG:
             result.differences.append(Difference(A + "actor.loss_agg_mode", str(agg), "actor.loss_agg_mode", GSPO_AGG,
                                                  "verl's GSPO loss aggregates seq-mean-token-mean whatever this says"))  # fmt: skip
     if backend == "megatron":
-        sp = bool(effective(values, SP, backend)) and whole(values, TP, backend) > 1
+        sp = bool(effective(values, SP, defaults)) and whole(values, TP, defaults) > 1
         out["backend.sequence_parallel"] = render(sp)
         if sp:
             out["backend.transformer_impl"] = "transformer_engine"
             result.notes.append("sequence parallelism (verl's default with tensor parallel > 1) needs Transformer "
                                 "Engine layers: backend.transformer_impl=transformer_engine")  # fmt: skip
     if MICRO in values and parsed(values[MICRO]) is not None and "actor.ppo_micro_batch_size_per_gpu" not in out:
-        world = whole(values, "trainer.nnodes", backend) * whole(values, "trainer.n_gpus_per_node", backend)
-        split = whole(values, TP, backend) * whole(values, PP, backend) if backend == "megatron" else 1
+        world = whole(values, "trainer.nnodes", defaults) * whole(values, "trainer.n_gpus_per_node", defaults)
+        split = whole(values, TP, defaults) * whole(values, PP, defaults) if backend == "megatron" else 1
         dp = max(1, world // split)
-        per_gpu = max(1, whole(values, MICRO, backend) // dp)
+        per_gpu = max(1, whole(values, MICRO, defaults) // dp)
         out["actor.ppo_micro_batch_size_per_gpu"] = str(per_gpu)
         result.notes.append(f"{MICRO}={values[MICRO]} is global: {per_gpu} per GPU over {dp} data-parallel replicas")
     for key in (A + "actor.ulysses_sequence_parallel_size", A + "actor.megatron.context_parallel_size",
                 A + "actor.megatron.override_transformer_config.context_parallel_size"):  # fmt: skip
-        if key in values and whole(values, key, backend) > 1:
-            result.splits[key] = whole(values, key, backend)
+        if key in values and whole(values, key, defaults) > 1:
+            result.splits[key] = whole(values, key, defaults)
             result.differences.append(Difference(key, values[key], "-", "1", verl_row(key)[0].note))
             result.notes.append(f"{key}={values[key]}: lorarl has no sequence splitting, so each device holds "
                                 f"whole sequences and its activation memory is about {values[key]}x verl's")  # fmt: skip
@@ -101,14 +101,16 @@ def composed(overrides: list[str]):
         raise VerlTranslationError(f"the translated command does not compose: {line}") from None
 
 
-def carry_defaults(overrides: list[str], values: dict[str, str], backend: str, result: Translation) -> list[str]:
+def carry_defaults(
+    overrides: list[str], values: dict[str, str], backend: str, defaults: dict, result: Translation
+) -> list[str]:
     """`overrides` with verl's defaults stated where lorarl's differ; records each difference kept."""
     out = Overrides.of(overrides)
-    unused = derive(out, values, backend, result)
+    unused = derive(out, values, backend, defaults, result)
     set_by_script = {verl_row(k)[1] for k in values}
     cfg = composed(out.as_list())
     for row in VERL_KEYS:
-        known, default = default_of(row, backend)
+        known, default = default_of(row, backend, defaults)
         if (
             not known
             or row.verl in unused

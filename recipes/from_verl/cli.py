@@ -38,12 +38,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def verl_args(given: list[str]) -> list[str]:
+def verl_launch(given: list[str]) -> tuple[str, list[str]]:
+    """(verl module, its arguments) of a launch script, or of overrides given directly."""
     if len(given) == 1 and given[0].endswith(".sh"):
         launch = script_launch(Path(given[0]))
         check_module(launch.module)
-        return launch.args
-    return given
+        return launch.module, launch.args
+    return "verl.trainer.main_ppo", given
 
 
 def check(cmd: list[str], result) -> int:
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     ns = parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     try:
-        result = translate(verl_args(ns.verl), model=ns.model, data=ns.data, lora_rank=ns.lora_rank)
+        module, args = verl_launch(ns.verl)
+        result = translate(args, model=ns.model, data=ns.data, lora_rank=ns.lora_rank, module=module)
     except VerlTranslationError as err:
         for problem in err.problems:
             print(f"error: {problem}", file=sys.stderr)

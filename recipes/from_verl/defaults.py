@@ -50,6 +50,10 @@ DELIBERATE: dict[str, str] = {
     A + "rollout.disable_log_stats": "vLLM's logging only",
     "data.train_files": "verl's placeholder; the data preset's files unless the launch names them",
     "data.val_files": "verl's placeholder; the data preset's files unless the launch names them",
+    "reward.reward_kwargs.overlong_buffer_cfg.len": "verl-recipe's 0 with the buffer off; lorarl's null is 20% of "
+    "data.max_response_length, used only when the buffer is on",
+    "algorithm.filter_groups.metric": "verl-recipe's null must be named when filtering is on; lorarl's acc is the "
+    "reward function's value, as verl's DAPO scripts name it",
     "trainer.logger": "lorarl logs to the console and a jsonl file; add wandb with trainer.logger",
     "trainer.project_name": "a name only",
     "trainer.experiment_name": "a name only",
@@ -64,9 +68,17 @@ def verl_defaults() -> dict:
     return json.loads((DATA / "verl_defaults.json").read_text())
 
 
-def default_of(row: Key, backend: str) -> tuple[bool, object]:
-    """(whether verl's `backend` config has a default for this row, the default)."""
+def defaults_for(backend: str, dapo: bool = False) -> dict:
+    """verl's defaults for a backend's config; with `dapo`, as verl-recipe's DAPO configs change them.
+    Values that only resolve in a whole verl run (`${...}`) are left out."""
+    values = dict(verl_defaults()[backend])
+    if dapo:
+        values.update(verl_defaults()["dapo"][backend])
+    return {k: v for k, v in values.items() if not (isinstance(v, str) and "${" in v)}
+
+
+def default_of(row: Key, backend: str, defaults: dict) -> tuple[bool, object]:
+    """(whether `defaults`, verl's for `backend`, hold one for this row, the default)."""
     if row.verl.endswith(".*") or (row.backend and row.backend != backend):
         return False, None
-    values = verl_defaults()[backend]
-    return (row.verl in values), values.get(row.verl)
+    return (row.verl in defaults), defaults.get(row.verl)

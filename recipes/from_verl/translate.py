@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from recipes.from_verl.defaults import DELIBERATE, default_of, verl_defaults
+from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
 from recipes.from_verl.errors import VerlTranslationError
 from recipes.from_verl.keys import BY_VERL, VERL_KEYS, A, Key, verl_row
 from recipes.from_verl.models import model_preset, preset_names
@@ -145,14 +145,20 @@ def accepted(row: Key, key: str, value, unset: bool, problems: list[str]) -> boo
 
 
 def translate(
-    args: list[str], model: str | None = None, data: str | None = None, lora_rank: int | None = None
+    args: list[str],
+    model: str | None = None,
+    data: str | None = None,
+    lora_rank: int | None = None,
+    module: str = "verl.trainer.main_ppo",
 ) -> Translation:
-    """lorarl overrides for a verl trainer's arguments (its --config-name picks the backend)."""
+    """lorarl overrides for the arguments of verl's `module` (its --config-name picks the backend;
+    a DAPO module starts from verl-recipe's DAPO defaults)."""
     from recipes.from_verl.carry import carry_defaults, derived_values
 
     problems: list[str] = []
     backend, values = read_args(args, problems)
     result = Translation([], [], backend=backend)
+    defaults = defaults_for(backend, dapo="dapo" in module)
     mapped: dict[str, tuple[str, str]] = {}  # lorarl key -> (value, verl key it came from)
     for key, value in values.items():
         row, to = verl_row(key)
@@ -174,19 +180,19 @@ def translate(
                 problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
                 continue
         mapped[to] = (value, key)
-    check_lora(values, backend, lora_rank, mapped, result, problems)
+    check_lora(values, defaults, backend, lora_rank, mapped, result, problems)
     head = [f"+backend={backend}"]
     head += model_choice(values, model, problems)
     if data or "data.train_files" in values:
         head.append(f"data={data or data_preset(values['data.train_files'])}")
     for row in VERL_KEYS:
-        known, default = default_of(row, backend)
+        known, default = default_of(row, backend, defaults)
         if known and row.verl not in values and row.only and default != "???" and row.verl not in DELIBERATE:
             accepted(row, row.verl, default, True, problems)
     if problems:
         raise VerlTranslationError(*problems)
     overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
-    result.overrides = carry_defaults(overrides, values, backend, result)
+    result.overrides = carry_defaults(overrides, values, backend, defaults, result)
     return result
 
 
@@ -202,14 +208,14 @@ def backend_has(backend: str, to: str) -> bool:
     return to.lstrip("+").split(".")[1] in {f.name for f in fields(schema)}
 
 
-def check_lora(values, backend, lora_rank, mapped, result: Translation, problems: list[str]) -> None:
+def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation, problems: list[str]) -> None:
     """Full fine-tuning (no LoRA rank, or 0) is refused unless --lora-rank opts in; a learning rate
     that looks like a full fine-tune's gets a warning."""
     rank_key = RANK_KEYS[1] if backend == "megatron" and RANK_KEYS[1] in values else RANK_KEYS[0]
     given = next((values[k] for k in RANK_KEYS if k in values), None)
     rank = parsed(given) if given is not None else 0
     lr_written = values.get(A + "actor.optim.lr")
-    lr = parsed(lr_written) if lr_written is not None else verl_defaults()[backend][A + "actor.optim.lr"]
+    lr = parsed(lr_written) if lr_written is not None else defaults[A + "actor.optim.lr"]
     if lora_rank is not None:
         mapped["model.lora.rank"] = (str(lora_rank), "--lora-rank")
         rank = lora_rank
