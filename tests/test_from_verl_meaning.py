@@ -368,3 +368,17 @@ def test_dapo_starts_from_verl_recipes_dapo_defaults():
         translate(args + ["reward_model.overlong_buffer.len=128"], module="recipe.dapo.main_dapo").overrides
     )
     assert (dapo.algorithm.overlong_buffer.penalty_factor, dapo.algorithm.filter_groups.max_num_gen_batches) == (0.0, 0)
+
+
+def test_a_warmup_ratio_becomes_steps_of_the_launchs_total():
+    ratio = A + "actor.optim.lr_warmup_steps_ratio=0.05"
+    result = translate(LORA + [ratio, "trainer.total_training_steps=500"])
+    assert "actor.optim.warmup_steps=25" in result.overrides
+    with pytest.raises(VerlTranslationError, match="lr_warmup_steps_ratio=0.05: warmup is counted in steps"):
+        translate(LORA + [ratio])
+    assert "actor.optim.warmup_steps=7" in translate(LORA + [ratio, A + "actor.optim.lr_warmup_steps=7"]).overrides
+
+
+def test_a_stray_backslash_is_named():
+    with pytest.raises(VerlTranslationError, match="a stray argument"):
+        translate(LORA + ["\\"])

@@ -24,7 +24,7 @@ GSPO_AGG = "seq-mean-token-mean"
 
 def derived_values() -> frozenset[str]:
     """verl keys whose lorarl value is derived here rather than mapped as written."""
-    return frozenset({SP, MICRO})
+    return frozenset({SP, MICRO, A + "actor.optim.lr_warmup_steps_ratio"})
 
 
 def effective(values: dict[str, str], key: str, defaults: dict):

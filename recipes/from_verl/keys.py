@@ -112,10 +112,9 @@ ACTOR_KEYS = (
     ),
     Key(
         A + "actor.optim.lr_warmup_steps_ratio",
-        None,
-        "warmup is counted in steps: give actor_rollout_ref.actor.optim.lr_warmup_steps",
-        only=("0", "0.0", "0."),
-    ),  # fmt: skip
+        "actor.optim.warmup_steps",
+        "x trainer.total_training_steps, as verl computes it (with lr_warmup_steps unset); warmup is counted in steps",
+    ),
     Key(A + "actor.optim.clip_grad", "actor.grad_clip"),
     Key(A + "actor.optim.lr_scheduler_type", None, "the learning rate is constant after warmup", only=("constant",)),
     Key(A + "actor.optim.lr_decay_style", None, "the learning rate is constant after warmup", only=("constant",)),

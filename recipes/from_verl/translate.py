@@ -84,6 +84,11 @@ def same(a, b) -> bool:
 
 def split_override(arg: str) -> tuple[str, str]:
     key, sep, value = arg.partition("=")
+    if arg.strip() in ("", "\\"):
+        raise VerlTranslationError(
+            f"{arg!r}: a stray argument (a backslash or space left by the script's line continuations, which "
+            "verl's Hydra refuses too); remove it"
+        )
     if not sep or not key:
         raise VerlTranslationError(f"{arg!r} is not a verl override (key=value)")
     if key.startswith("~"):
@@ -181,6 +186,7 @@ def translate(
                 continue
         mapped[to] = (value, key)
     check_lora(values, defaults, backend, lora_rank, mapped, result, problems)
+    warmup_from_ratio(values, mapped, result, problems)
     head = [f"+backend={backend}"]
     head += model_choice(values, model, problems)
     if data or "data.train_files" in values:
@@ -194,6 +200,25 @@ def translate(
     overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
     result.overrides = carry_defaults(overrides, values, backend, defaults, result)
     return result
+
+
+def warmup_from_ratio(values, mapped, result: Translation, problems: list[str]) -> None:
+    """verl warms up for int(ratio x total steps) when lr_warmup_steps is unset (-1); lorarl counts
+    warmup in steps, so the ratio needs trainer.total_training_steps to become one."""
+    key, steps_key = A + "actor.optim.lr_warmup_steps_ratio", A + "actor.optim.lr_warmup_steps"
+    ratio = float(parsed(values[key])) if key in values else 0.0
+    if not ratio or parsed(values.get(steps_key, "-1")) not in (-1, None):
+        return
+    total = values.get("trainer.total_training_steps")
+    if total is None or parsed(total) is None:
+        problems.append(
+            f"{key}={values[key]}: warmup is counted in steps here and the run's total is not in the launch; "
+            "set actor_rollout_ref.actor.optim.lr_warmup_steps (ratio x total steps) or trainer.total_training_steps"
+        )
+        return
+    steps = int(ratio * int(parsed(total)))
+    mapped["actor.optim.warmup_steps"] = (str(steps), key)
+    result.notes.append(f"{key}={values[key]} of trainer.total_training_steps={total}: {steps} warmup steps")
 
 
 def backend_has(backend: str, to: str) -> bool:
