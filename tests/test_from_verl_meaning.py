@@ -382,3 +382,26 @@ def test_a_warmup_ratio_becomes_steps_of_the_launchs_total():
 def test_a_stray_backslash_is_named():
     with pytest.raises(VerlTranslationError, match="a stray argument"):
         translate(LORA + ["\\"])
+
+
+def test_the_extractor_reads_keys_from_arrays_continuations_and_plus_forms():
+    """scripts/extract_verl_keys.py reads keys from the script text: quoted, in arrays, after `+`,
+    never from comments or from variables' own assignments."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extract_verl_keys", ROOT / "scripts" / "extract_verl_keys.py")
+    extract = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extract)
+    text = (
+        'max_len=$((1024 * 2))\nARGS=(\n    data.max_prompt_length=${max_len}\n    "trainer.logger=[console]"\n)\n'
+        "# actor_rollout_ref.rollout.n=4 is in a comment\n"
+        "python3 -m verl.trainer.main_ppo \\\n    +actor_rollout_ref.actor.megatron.override_transformer_config.x=1 \\\n"
+        '    "${ARGS[@]}" algorithm.adv_estimator=grpo  # trailing comment critic.model.path=x\n'
+    )
+    roots = {"data", "trainer", "actor_rollout_ref", "algorithm", "critic"}
+    assert extract.script_keys(text, roots) == [
+        "actor_rollout_ref.actor.megatron.override_transformer_config.x",
+        "algorithm.adv_estimator",
+        "data.max_prompt_length",
+        "trainer.logger",
+    ]
