@@ -1,4 +1,5 @@
-"""verl's published GRPO-LoRA launches translate into lorarl commands that compose with their values."""
+"""verl's published GRPO-LoRA launches translate into lorarl commands that compose with their values
+(the translation itself: tests/test_from_verl_meaning.py checks defaults, forms and --check)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 
 from lorarl.config import compose
 from lorarl.errors import ConfigError
-from recipes.from_verl import VERL_KEYS, VerlTranslationError, script_args, translate, verl_row
+from recipes.from_verl import VERL_KEYS, VerlTranslationError, script_launch, translate, verl_row
 from tests.test_config import compose_job, hydra_compose  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +193,7 @@ def parsed(key: str, value: str):
 def launch_args(tmp_path: Path, name: str) -> list[str]:
     script = tmp_path / f"{name}.sh"
     script.write_text(LAUNCHES[name][0])
-    return script_args(script)
+    return script_launch(script).args
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHES))
@@ -249,38 +250,38 @@ def test_translated_launches_validate_or_name_the_key(tmp_path):
     assert len(run.data.train_files) == 2
 
 
+RANKED = ["actor_rollout_ref.model.lora_rank=8", "algorithm.adv_estimator=grpo"]
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (
-            ["actor_rollout_ref.rollout.multi_turn.enable=True", "foo.bar=1"],
-            "actor_rollout_ref.rollout.multi_turn.enable, foo.bar",
-        ),
+        (["actor_rollout_ref.rollout.multi_turn.enable=True"], "multi_turn.enable=True: lorarl supports only False"),
+        (["foo.bar=1"], "foo.bar: not a verl key lorarl knows"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name=sglang: lorarl supports only vllm"),
-        (["actor_rollout_ref.model.path=org/Unknown-9B"], "no conf/model preset"),
+        (["actor_rollout_ref.model.path=org/Unknown-9B"], "not a Qwen2 / Qwen2.5 / Qwen3 checkpoint"),
         (
             ["actor_rollout_ref.actor.megatron.vanilla_mbridge=True"],
             "vanilla_mbridge=True: lorarl supports only False or false (LoRA is exported through Megatron-Bridge",
         ),
         (
-            [
-                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192",
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
-            ],
-            "both set actor.log_prob_max_token_len_per_gpu",
+            ["actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
+            "both set actor.grad_clip",
         ),
         (["data.train_files"], "not a verl override"),
     ],
 )
 def test_bad_launches_fail_with_one_line_naming_the_key(args, needle):
     with pytest.raises(VerlTranslationError) as err:
-        translate(args)
-    assert needle in str(err.value) and "\n" not in str(err.value)
+        translate(RANKED + args)
+    assert [needle in p for p in err.value.problems] == [True], err.value.problems
+    assert "\n" not in err.value.problems[0]
 
 
 def test_renamed_values_translate(hydra_compose):  # noqa: F811
     result = translate(
-        [
+        RANKED
+        + [
             "algorithm.rollout_correction.rollout_is=sequence",
             "algorithm.rollout_correction.rollout_is_threshold=3.0",
             "actor_rollout_ref.actor.strategy=megatron",
@@ -296,7 +297,8 @@ def test_renamed_values_translate(hydra_compose):  # noqa: F811
 
 def test_new_algorithm_and_moe_keys_translate(hydra_compose):  # noqa: F811
     result = translate(
-        [
+        RANKED
+        + [
             "actor_rollout_ref.actor.strategy=megatron",
             "algorithm.rollout_correction.rollout_rs=token_k1",
             "algorithm.rollout_correction.rollout_rs_threshold=0.5",
@@ -341,8 +343,8 @@ def test_cli_prints_the_command_and_the_ignored_keys(tmp_path):
     missing = subprocess.run(
         [sys.executable, "-m", "recipes.from_verl", "data.foo=1"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
-    assert missing.returncode == 2 and missing.stderr.strip() == (
-        "error: verl keys with no lorarl equivalent: data.foo; remove them or see recipes/from_verl.py VERL_KEYS"
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[0] == (
+        "error: data.foo: not a verl key lorarl knows; remove it or see recipes/from_verl/keys.py"
     )
 
 
@@ -365,8 +367,10 @@ def test_vllm_engine_arguments_pass_through_by_their_names(hydra_compose):  # no
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.async_scheduling=True",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes=[8,16]",
     ]
-    overrides = translate(verl).overrides
-    assert overrides[1:] == [
+    overrides = translate(RANKED + verl).overrides
+    assert overrides[1:6] == [
+        "model.lora.rank=8",
+        "algorithm.adv_estimator=grpo",
         "+rollout.engine_kwargs.max_num_batched_tokens=4096",
         "+rollout.engine_kwargs.async_scheduling=True",
         "+rollout.engine_kwargs.compilation_config.cudagraph_capture_sizes=[8,16]",
@@ -377,5 +381,11 @@ def test_vllm_engine_arguments_pass_through_by_their_names(hydra_compose):  # no
         "async_scheduling": True,
         "compilation_config": {"cudagraph_capture_sizes": [8, 16]},
     }
-    with pytest.raises(VerlTranslationError, match="engine_kwargs.sglang.x"):
-        translate(["+actor_rollout_ref.rollout.engine_kwargs.sglang.x=1"])
+    ignored = translate(RANKED + ["+actor_rollout_ref.rollout.engine_kwargs.sglang.x=1"]).ignored
+    assert ignored == [
+        (
+            "actor_rollout_ref.rollout.engine_kwargs.sglang.x",
+            "1",
+            "arguments of another rollout engine; the rollout engine is vLLM",
+        )
+    ]

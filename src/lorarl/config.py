@@ -319,6 +319,21 @@ def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
     never build a RunConfig by hand. `config_dir` defaults to the repository's conf/. Any Hydra
     instance already initialised in this process is left as it was found.
     """
+    return _compose(overrides, config_dir, to_run_config)
+
+
+def compose_values(overrides: list[str], config_dir: str | None = None) -> DictConfig:
+    """The composed config `compose` would validate, resolved, before any check: what each key
+    would be, for tools that compare values (recipes.from_verl)."""
+
+    def resolved(cfg: DictConfig) -> DictConfig:
+        OmegaConf.resolve(cfg)
+        return cfg
+
+    return _compose(overrides, config_dir, resolved)
+
+
+def _compose(overrides: list[str], config_dir: str | None, finish):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -337,7 +352,7 @@ def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
             OmegaConf.set_readonly(cfg, False)
             with open_dict(cfg):
                 del cfg["hydra"]
-            return to_run_config(cfg)
+            return finish(cfg)
     finally:
         # initialize_config_dir swaps the GlobalHydra singleton on exit: ask for it again.
         GlobalHydra.instance().clear()
@@ -346,4 +361,4 @@ def compose(overrides: list[str], config_dir: str | None = None) -> RunConfig:
         HydraConfig.instance().cfg = saved_cfg
 
 
-__all__ = ["RunConfig", "to_run_config", "validate", "check_model_shape", "steps_for", "compose"]
+__all__ = ["RunConfig", "to_run_config", "validate", "check_model_shape", "steps_for", "compose", "compose_values"]

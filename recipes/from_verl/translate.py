@@ -1,0 +1,281 @@
+"""verl's trainer arguments -> the lorarl overrides that train the same way.
+
+The translation starts from verl's defaults (recipes.from_verl.defaults) and collects every
+problem it finds (unknown keys with close matches, refused values, full fine-tuning, the model
+preset) before raising them together.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
+from recipes.from_verl.errors import VerlTranslationError
+from recipes.from_verl.keys import BY_VERL, VERL_KEYS, A, Key, verl_row
+from recipes.from_verl.models import model_preset, preset_names
+
+RANK_KEYS = (A + "model.lora_rank", A + "model.lora.rank")
+FULL_FT_LR = 5e-6  # below this a learning rate is a full fine-tune's; LoRA trains at ~1e-5 and up
+# lorarl keys that several verl keys set, where the smaller value keeps within every budget.
+SMALLER_WINS = ("actor.log_prob_max_token_len_per_gpu",)
+
+
+@dataclass
+class Difference:
+    """A key whose lorarl value means something other than verl's, for `--check`'s table."""
+
+    verl: str
+    verl_value: str
+    lorarl: str
+    lorarl_value: str
+    why: str
+
+
+@dataclass
+class Translation:
+    overrides: list[str]
+    ignored: list[tuple[str, str, str]]  # (verl key, value, reason)
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    carried: list[tuple[str, str]] = field(default_factory=list)  # (verl key, the override carrying its default)
+    differences: list[Difference] = field(default_factory=list)
+    backend: str = "fsdp"
+    # verl's sequence splits lorarl does without ({verl key: size}): --check estimates their cost.
+    splits: dict[str, int] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "recipes.grpo", *self.overrides]
+
+
+def parsed(value: str):
+    """The value Hydra (verl's config system too) gives `key=value`."""
+    return OverridesParser.create().parse_overrides([f"k={value}"])[0].value()
+
+
+def render(value) -> str:
+    """A Python value as a Hydra override value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(render(v) for v in value) + "]"
+    text = str(value)
+    return (
+        text if re.fullmatch(r"[A-Za-z_~/.][\w./~-]*", text) and text not in ("null", "true", "false") else repr(text)
+    )
+
+
+def same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool | None):
+        return not isinstance(b, bool) and math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def split_override(arg: str) -> tuple[str, str]:
+    key, sep, value = arg.partition("=")
+    if arg.strip() in ("", "\\"):
+        raise VerlTranslationError(
+            f"{arg!r}: a stray argument (a backslash or space left by the script's line continuations, which "
+            "verl's Hydra refuses too); remove it"
+        )
+    if not sep or not key:
+        raise VerlTranslationError(f"{arg!r} is not a verl override (key=value)")
+    if key.startswith("~"):
+        raise VerlTranslationError(f"{arg}: deleting verl keys has no lorarl equivalent; leave it out")
+    return key.lstrip("+"), value
+
+
+def known_names() -> list[str]:
+    names = {k.verl for k in VERL_KEYS if not k.verl.endswith(".*")}
+    for backend in ("fsdp", "megatron"):
+        names |= set(verl_defaults()[backend])
+    return sorted(names)
+
+
+def read_args(args: list[str], problems: list[str]) -> tuple[str, dict[str, str]]:
+    """(backend, {verl key: value as written}); bad and unknown keys go to `problems`."""
+    backend, values, unknown = "fsdp", {}, []
+    for arg in args:
+        if arg.startswith("--config-name") or arg.startswith("--config-path"):
+            name = arg.partition("=")[2].strip("'\"")
+            if arg.startswith("--config-name") and "megatron" in name:
+                backend = "megatron"
+            continue
+        try:
+            key, value = split_override(arg)
+        except VerlTranslationError as err:
+            problems.extend(err.problems)
+            continue
+        if verl_row(key)[0] is None:
+            unknown.append(key)
+        values[key] = value
+    for key in unknown:
+        close = difflib.get_close_matches(key, known_names(), n=2, cutoff=0.8)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        problems.append(f"{key}: not a verl key lorarl knows{hint}; remove it or see recipes/from_verl/keys.py")
+        del values[key]
+    for key, value in values.items():
+        if value.strip() == "" and verl_row(key)[1] is not None:
+            problems.append(f"{key}= has no value (a variable the script did not set?); set it or give the value")
+    strategy = values.get(A + "actor.strategy")
+    if strategy is not None:
+        backend = BY_VERL[A + "actor.strategy"].values.get(strategy, backend)
+    elif any(k.startswith(A + "actor.megatron.") for k in values):
+        backend = "megatron"  # only a Megatron config has these keys (a custom --config-name)
+    return backend, values
+
+
+def accepted(row: Key, key: str, value, unset: bool, problems: list[str]) -> bool:
+    """Whether `value` (a string as written, or verl's default when `unset`) is one lorarl takes."""
+    allowed = row.only or tuple(row.values)
+    if not allowed:
+        return True
+    if any(same(parsed(a), value if unset else parsed(value)) or a == value for a in allowed):
+        return True
+    said = f"{key} unset means verl's default {render(value)}" if unset else f"{key}={value}"
+    verb = "lorarl supports only" if row.only else "use one of"
+    problems.append(f"{said}: {verb} {' or '.join(allowed)}" + (f" ({row.note})" if row.note else ""))
+    return False
+
+
+def translate(
+    args: list[str],
+    model: str | None = None,
+    data: str | None = None,
+    lora_rank: int | None = None,
+    module: str = "verl.trainer.main_ppo",
+) -> Translation:
+    """lorarl overrides for the arguments of verl's `module` (its --config-name picks the backend;
+    a DAPO module starts from verl-recipe's DAPO defaults)."""
+    from recipes.from_verl.carry import carry_defaults, derived_values
+
+    problems: list[str] = []
+    backend, values = read_args(args, problems)
+    result = Translation([], [], backend=backend)
+    defaults = defaults_for(backend, dapo="dapo" in module)
+    mapped: dict[str, tuple[str, str]] = {}  # lorarl key -> (value, verl key it came from)
+    for key, value in values.items():
+        row, to = verl_row(key)
+        if not accepted(row, key, value, False, problems):
+            continue
+        if to is None:
+            result.ignored.append((key, value, row.note))
+            continue
+        value = row.convert(value) if row.convert else row.values.get(value, value)
+        if to == "+backend" or key in derived_values():
+            continue
+        if not backend_has(backend, to):
+            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
+            continue
+        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
+            if to in SMALLER_WINS:
+                value = str(min(int(parsed(mapped[to][0])), int(parsed(value))))
+            else:
+                problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
+                continue
+        mapped[to] = (value, key)
+    check_lora(values, defaults, backend, lora_rank, mapped, result, problems)
+    warmup_from_ratio(values, mapped, result, problems)
+    head = [f"+backend={backend}"]
+    head += model_choice(values, model, problems)
+    if data or "data.train_files" in values:
+        head.append(f"data={data or data_preset(values['data.train_files'])}")
+    for row in VERL_KEYS:
+        known, default = default_of(row, backend, defaults)
+        if known and row.verl not in values and row.only and default != "???" and row.verl not in DELIBERATE:
+            accepted(row, row.verl, default, True, problems)
+    if problems:
+        raise VerlTranslationError(*problems)
+    overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
+    result.overrides = carry_defaults(overrides, values, backend, defaults, result)
+    return result
+
+
+def warmup_from_ratio(values, mapped, result: Translation, problems: list[str]) -> None:
+    """verl warms up for int(ratio x total steps) when lr_warmup_steps is unset (-1); lorarl counts
+    warmup in steps, so the ratio needs trainer.total_training_steps to become one."""
+    key, steps_key = A + "actor.optim.lr_warmup_steps_ratio", A + "actor.optim.lr_warmup_steps"
+    ratio = float(parsed(values[key])) if key in values else 0.0
+    if not ratio or parsed(values.get(steps_key, "-1")) not in (-1, None):
+        return
+    total = values.get("trainer.total_training_steps")
+    if total is None or parsed(total) is None:
+        problems.append(
+            f"{key}={values[key]}: warmup is counted in steps here and the run's total is not in the launch; "
+            "set actor_rollout_ref.actor.optim.lr_warmup_steps (ratio x total steps) or trainer.total_training_steps"
+        )
+        return
+    steps = int(ratio * int(parsed(total)))
+    mapped["actor.optim.warmup_steps"] = (str(steps), key)
+    result.notes.append(f"{key}={values[key]} of trainer.total_training_steps={total}: {steps} warmup steps")
+
+
+def backend_has(backend: str, to: str) -> bool:
+    """Whether a lorarl key outside `backend.` or a field of the chosen backend's schema."""
+    from dataclasses import fields
+
+    from lorarl.schema_backends import FSDPBackendConfig, MegatronBackendConfig
+
+    if not to.lstrip("+").startswith("backend."):
+        return True
+    schema = MegatronBackendConfig if backend == "megatron" else FSDPBackendConfig
+    return to.lstrip("+").split(".")[1] in {f.name for f in fields(schema)}
+
+
+def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation, problems: list[str]) -> None:
+    """Full fine-tuning (no LoRA rank, or 0) is refused unless --lora-rank opts in; a learning rate
+    that looks like a full fine-tune's gets a warning."""
+    rank_key = RANK_KEYS[1] if backend == "megatron" and RANK_KEYS[1] in values else RANK_KEYS[0]
+    given = next((values[k] for k in RANK_KEYS if k in values), None)
+    rank = parsed(given) if given is not None else 0
+    lr_written = values.get(A + "actor.optim.lr")
+    lr = parsed(lr_written) if lr_written is not None else defaults[A + "actor.optim.lr"]
+    if lora_rank is not None:
+        mapped["model.lora.rank"] = (str(lora_rank), "--lora-rank")
+        rank = lora_rank
+    elif not rank:
+        unset = "unset, verl's default 0" if given is None else given
+        problems.append(
+            f"{rank_key}={unset}: this launch fine-tunes every weight, and lorarl trains LoRA adapters only; "
+            "pass --lora-rank R (e.g. --lora-rank 64) to translate it as a LoRA run"
+        )
+    if isinstance(lr, (int, float)) and lr < FULL_FT_LR:
+        written = "" if lr_written is not None else " (verl's default)"
+        result.warnings.append(
+            f"{A}actor.optim.lr={lr}{written} is a full-fine-tuning learning rate; LoRA usually trains at "
+            "about 10x that (e.g. -- actor.optim.lr=1e-5)"
+        )
+
+
+def model_choice(values: dict[str, str], model: str | None, problems: list[str]) -> list[str]:
+    if model:
+        return [f"model={model}"]
+    path = values.get(A + "model.path")
+    if path is None:
+        return []
+    preset, _ = model_preset(path)
+    if preset is None:
+        problems.append(
+            f"{A}model.path={path}: not a Qwen2 / Qwen2.5 / Qwen3 checkpoint a conf/model preset trains; "
+            f"pass --model with one of {', '.join(preset_names())}"
+        )
+        return []
+    return [f"model={preset}"]
+
+
+def data_preset(train_files: str) -> str:
+    return "math" if "math" in train_files.lower() else "gsm8k"
+
+
+__all__ = ["Translation", "Difference", "translate", "parsed", "render", "DELIBERATE"]
