@@ -5,6 +5,7 @@ subprocess that is stopped whole on timeout.
 
 from __future__ import annotations
 
+import getpass
 import importlib.metadata
 import json
 import os
@@ -226,8 +227,8 @@ SLOWDOWN = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_po
 SLOWDOWN_COUNTERS = tuple(f"clocks_event_reasons_counters.{c}" for c in SLOWDOWN)
 KERNEL_CACHES = {  # env var, default: where compiled kernels persist across processes
     "triton": ("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"),
-    "inductor": ("TORCHINDUCTOR_CACHE_DIR", Path(tempfile.gettempdir()) / f"torchinductor_{os.environ.get('USER')}"),
-    "vllm": ("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"),
+    "inductor": ("TORCHINDUCTOR_CACHE_DIR", Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"),
+    "vllm": ("VLLM_CACHE_ROOT", Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"),
 }
 
 
