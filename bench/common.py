@@ -1,21 +1,22 @@
-"""What every measurement shares: repeat statistics, result records, the benchmark models.
-
-A result is a `Record`: what was measured, under which config, the per-repeat samples and
-their median and spread, plus (where it has one) the ratio to a baseline measured in the
-same process, so two numbers taken minutes apart on a noisy machine are never divided.
+"""What the benchmarks share: the models they run (the embedded tiny Qwen2 and random models
+with real Qwen2.5/Qwen3 shapes), the state of the machine around a timed run, and a logged
+subprocess that is stopped whole on timeout.
 """
 
 from __future__ import annotations
 
-import argparse
+import getpass
+import importlib.metadata
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# Short names the GPU measurements take in --models.
-GPU_MODELS = {"qwen05": "qwen2.5-0.5b", "qwen7": "qwen2.5-7b"}
 
 # Shapes of the real Qwen2.5 configs (random weights stand in for the real ones). head_dim is
 # 128 at 7B and 64 at 0.5B; 64 is also what vLLM's CPU attention needs.
@@ -66,79 +65,28 @@ SHAPES = {
         rms_norm_eps=1e-6,
     ),
 }
-QWEN05_SHAPE = SHAPES["qwen2.5-0.5b"]
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# The project's default LoRA (conf/model/qwen2_tiny.yaml): rank 16, alpha 32, all seven projections.
-LORA_RANK, LORA_ALPHA = 16, 32
 
 
-@dataclass
-class Stat:
-    """Median and spread of repeated samples (seconds, tokens/s, ... as `unit` says)."""
-
-    median: float
-    p25: float
-    p75: float
-    min: float
-    max: float
-    n: int
-    unit: str = "s"
-    samples: list[float] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, samples: Sequence[float], unit: str = "s") -> Stat:
-        xs = sorted(float(x) for x in samples)
-        if not xs:
-            raise ValueError("no samples")
-        if len(xs) >= 2:
-            q = statistics.quantiles(xs, n=4, method="inclusive")
-            p25, p75 = q[0], q[2]
-        else:
-            p25 = p75 = xs[0]
-        return cls(statistics.median(xs), p25, p75, xs[0], xs[-1], len(xs), unit, [float(x) for x in samples])
+def tail(text: str, lines: int = 40, chars: int = 4000) -> str:
+    return "\n".join(text.splitlines()[-lines:])[-chars:]
 
 
-@dataclass
-class Record:
-    """One line of the results table."""
-
-    measurement: str  # which module (sync_latency, export_gather, ...)
-    what: str  # the method, e.g. "(a) ours: adapter, tmpfs"
-    config: str  # model, rank, world size, ...
-    stat: Stat | None
-    baseline: str | None = None  # `what` of the row the ratio divides by
-    ratio: Stat | None = None  # per-repeat paired ratios this / baseline where paired, else one value
-    extra: dict = field(default_factory=dict)  # bytes, tensors, checks, breakdowns
-    error: str | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+def child_env(cache: Path, extra: dict | None = None) -> dict:
+    """The environment of a measured subprocess: this checkout importable, the model cache, output unbuffered."""
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "LORARL_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    return {**env, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
-def set_threads(n: int) -> None:
-    """Intra-op threads for this process. On a small shared host two OpenMP threads spin
-    against other processes: a 2 ms tiny-model merge took 0.2-0.8 s with 2 threads under
-    load and 2 ms with 1, so the CPU suite defaults to 1 and records the choice."""
-    import torch
-
-    torch.set_num_threads(n)
-    os.environ["OMP_NUM_THREADS"] = str(n)
-
-
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def ratio_stat(num: Sequence[float], den: Sequence[float]) -> Stat:
-    """Per-repeat ratios of paired samples (same repeat index, taken back to back)."""
-    return Stat.of([a / b for a, b in zip(num, den)], unit="x")
-
-
-def ratio_of_medians(num: Stat, den: Stat) -> Stat:
-    """Samples not taken in pairs (separate runs or engines): one ratio of medians."""
-    return Stat.of([num.median / den.median], unit="x")
+def versions() -> dict:
+    """The versions that decide a timing, and the GPU, recorded beside every result."""
+    out = {"python": sys.version.split()[0], "gpu": nvidia_smi(("name", "memory.total", "driver_version"))}
+    for dist in ("torch", "vllm", "transformers", "peft", "accelerate", "trl", "ray", "megatron-core"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -156,10 +104,6 @@ def tiny_model(cache: Path) -> Path:
     from lorarl.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(cache / "qwen2_tiny", seed=0)
-
-
-def qwen05_shaped_model(cache: Path, layers: int = 24, dtype: str = "bfloat16") -> Path:
-    return shaped_model(cache, "qwen2.5-0.5b", layers, dtype)
 
 
 def shaped_model_path(cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16") -> Path:
@@ -223,6 +167,24 @@ def shaped_model(
     return path
 
 
+def model_in_subprocess(shape: str | None, cache: Path, device: str) -> tuple[Path, float]:
+    """(path, seconds spent building) of shaped_model(cache, shape), or of the tiny model for None,
+    built in a subprocess so the calling process never holds GPU memory."""
+    if shape is not None and (shaped_model_path(cache, shape) / SHAPED_MODEL_DONE).is_file():
+        return shaped_model_path(cache, shape), 0.0  # built by an earlier command: no torch import
+    t0 = time.perf_counter()
+    call = (
+        f"shaped_model(Path({str(cache)!r}), {shape!r}, device={device!r})"
+        if shape
+        else f"tiny_model(Path({str(cache)!r}))"
+    )
+    code = f"from pathlib import Path; from bench.common import shaped_model, tiny_model; print({call})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(cache), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the {shape or 'tiny'} model failed: {tail(proc.stderr or proc.stdout)}")
+    return Path(proc.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+
+
 def model_params(path: Path) -> int:
     """Parameter count from the saved safetensors headers (no tensors loaded)."""
     from safetensors import safe_open
@@ -238,106 +200,9 @@ def model_params(path: Path) -> int:
     return total
 
 
-def peft_lora_config(rank: int = LORA_RANK, alpha: int = LORA_ALPHA):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(PROJECTIONS), lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
-    )
-
-
-def adapter_config_dict(peft_model) -> dict:
-    """The adapter config as the trainer sends it: JSON-friendly LoraConfig.to_dict()."""
-    cfg = peft_model.peft_config["default"].to_dict()
-    cfg["target_modules"] = sorted(cfg["target_modules"])
-    for key in ("task_type", "peft_type"):
-        cfg[key] = str(getattr(cfg.get(key), "value", cfg.get(key)))
-    return {k: v for k, v in cfg.items() if v is None or isinstance(v, (str, int, float, bool, list, dict))}
-
-
-def perturb_lora(peft_model, seed: int, std: float = 0.02) -> None:
-    """New, non-zero LoRA weights, as after an optimizer step (PEFT starts with B = 0)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=str))
-
-
-def environment() -> dict:
-    """Versions and machine facts recorded beside every result."""
-    import platform
-
-    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
-    try:
-        import torch
-
-        out["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
-    for mod in ("torch", "vllm", "transformers", "peft", "trl"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing package is a fact to record, not an error
-            out[mod] = None
-    try:
-        out["loadavg"] = os.getloadavg()
-    except OSError:
-        pass
-    try:
-        meminfo = Path("/proc/meminfo").read_text().splitlines()
-        out["mem_total_gib"] = round(int(meminfo[0].split()[1]) / 2**20, 1)
-    except (OSError, IndexError, ValueError):
-        pass
-    return out
-
-
-def torchrun(
-    module: str, args: list[str], world: int, timeout: int, threads: int | None = None
-) -> subprocess.CompletedProcess:
-    """`python -m <module> args` on `world` ranks of this host (torchrun --standalone)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "PYTHONWARNINGS": "ignore",
-    }
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        "-m",
-        module,
-        *args,
-    ]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def gpu_args(name: str, description: str, argv: list[str] | None) -> argparse.Namespace:
-    """The command line every multi-GPU measurement takes; stops unless enough GPUs are visible."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cache", default=None)
-    ap.add_argument("--models", default="qwen05,qwen7")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    import torch
-
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < args.world:
-        raise SystemExit(f"{name} needs {args.world} CUDA GPUs; found {found}")
-    return args
 
 
 def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
@@ -348,3 +213,167 @@ def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
 
     correction = Correction.of(run.algorithm.rollout_correction, device.type)
     return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
+
+
+# --- The machine around a run. Two runs of one command in one lease differed by 20%; these
+# readings tell a slower GPU (clocks, temperature, the driver's power cap) from a slower or busier
+# host (the 7B update is bound by the host's time per kernel launch) or the run before still
+# leaving (GPU memory in use). nvidia-smi, so this process never holds a CUDA context.
+GPU_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "power.limit", "memory.used", "memory.free")
+GPU_FIELDS += ("pstate",)
+SAMPLED = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "utilization.gpu", "memory.used")
+# Microseconds since the driver loaded that each cause held the clocks below the requested ones.
+SLOWDOWN = ("sw_power_cap", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+SLOWDOWN_COUNTERS = tuple(f"clocks_event_reasons_counters.{c}" for c in SLOWDOWN)
+KERNEL_CACHES = {  # env var, default: where compiled kernels persist across processes
+    "triton": ("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"),
+    "inductor": ("TORCHINDUCTOR_CACHE_DIR", Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"),
+    "vllm": ("VLLM_CACHE_ROOT", Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"),
+}
+
+
+def nvidia_smi(fields: tuple[str, ...]) -> dict | None:
+    """One reading of the first GPU (numbers as floats), or None without a working nvidia-smi or
+    where the driver refuses a field."""
+    try:
+        cmd = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    values = [v.strip() for v in (out.stdout.strip().splitlines() or [""])[0].split(",")]
+    if out.returncode != 0 or len(values) != len(fields):
+        return None
+    missing = ("", "N/A", "Not Supported")
+    return {
+        f: float(v) if re.fullmatch(r"[0-9.]+", v) else None if v in missing or v.startswith("[") else v
+        for f, v in zip(fields, values)
+    }
+
+
+def wait_for_free_gpu(limit_mib: int = 2048, timeout_s: float = 180.0) -> tuple[float | None, float]:
+    """(GPU MiB in use, seconds waited) once at most `limit_mib` is in use or after `timeout_s`: a
+    process of the run before can still be leaving, and vLLM refuses to start when free memory
+    grows during its profile."""
+    t0 = time.perf_counter()
+    while (used := (nvidia_smi(("memory.used",)) or {}).get("memory.used")) and used > limit_mib:
+        if time.perf_counter() - t0 > timeout_s:
+            break
+        time.sleep(2.0)
+    return used, time.perf_counter() - t0
+
+
+def python_loop_us(iterations: int = 100_000) -> float:
+    """Microseconds per iteration of a fixed pure-Python loop, the best of three: one core's speed
+    for the interpreted work that launches kernels. ~0.1 s."""
+    best, store = float("inf"), {}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(iterations):
+            store.__setitem__(i & 1023, i + 1)
+        best = min(best, time.perf_counter() - t0)
+    return best / iterations * 1e6
+
+
+def host_state() -> dict:
+    """The host and GPU right now: what is recorded before and after every run."""
+    mem = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    gpu = nvidia_smi((*GPU_FIELDS, "clocks_event_reasons.active"))
+    if gpu:
+        gpu["clock_reasons"] = gpu.pop("clocks_event_reasons.active")
+    return {
+        "time": time.strftime("%H:%M:%S"),
+        "loadavg_1m": os.getloadavg()[0],
+        "python_loop_us": python_loop_us(),
+        "mem_available_gib": int(mem["MemAvailable"].split()[0]) / 2**20,
+        "page_cache_gib": int(mem["Cached"].split()[0]) / 2**20,
+        "kernel_cache_files": {
+            name: sum(len(files) for _, _, files in os.walk(os.environ.get(var) or default))
+            for name, (var, default) in KERNEL_CACHES.items()
+        },
+        "gpu": gpu or nvidia_smi(GPU_FIELDS),
+        "slowdown_us": nvidia_smi(SLOWDOWN_COUNTERS),
+    }
+
+
+def slowdown_s(before: dict, after: dict) -> dict | None:
+    """Seconds each cause held the GPU's clocks down between two host_state() readings."""
+    b, a = before.get("slowdown_us"), after.get("slowdown_us")
+    if not b or not a:
+        return None
+    both = [k for k in SLOWDOWN_COUNTERS if isinstance(a.get(k), float) and isinstance(b.get(k), float)]
+    return {k.rsplit(".", 1)[1]: (a[k] - b[k]) / 1e6 for k in both}
+
+
+def cpu_jiffies() -> tuple[float, float]:
+    """(idle + iowait, total) jiffies of all CPUs since boot."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+class Sampler:
+    """Samples the host's CPU busy share and the GPU's clocks, temperature, power and use every
+    `interval_s` in a thread while a run goes on, and once when it ends (a short run has one);
+    `summary()` gives min/median/max of each."""
+
+    def __init__(self, interval_s: float = 1.0, gpu: bool = True):
+        self.interval_s, self.gpu, self.samples = interval_s, gpu, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        last, stopped = cpu_jiffies(), False
+        while not stopped:
+            stopped = self._stop.wait(self.interval_s)
+            now = cpu_jiffies()
+            sample = {"cpu_busy": 1.0 - (now[0] - last[0]) / (now[1] - last[1])} if now[1] > last[1] else {}
+            self.samples.append({**sample, **((nvidia_smi(SAMPLED) or {}) if self.gpu else {})})
+            last = now
+
+    def summary(self) -> dict:
+        out = {"interval_s": self.interval_s, "samples": len(self.samples)}
+        for key in ("cpu_busy", *SAMPLED) if self.gpu else ("cpu_busy",):
+            xs = [v for s in self.samples if isinstance(v := s.get(key), float)]
+            out[key] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)} if xs else None
+        return out
+
+
+def run_logged(cmd: list[str], env: dict, timeout: int, log: Path) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group, stdout+stderr into `log`, each line after the seconds
+    since the launch; on timeout the group gets SIGTERM (lorarl shuts vLLM and Ray down on it),
+    then SIGKILL after 30 s, so no engine holds GPU memory into the next run. (exit code or None, log)."""
+
+    def copy(stream, out, t0: float) -> None:
+        for line in iter(stream.readline, b""):
+            out.write(f"{time.perf_counter() - t0:7.1f} ".encode() + line)
+            out.flush()
+
+    with open(log, "wb") as out:
+        t0, code = time.perf_counter(), None
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        copier = threading.Thread(target=copy, args=(proc.stdout, out, t0), daemon=True)
+        copier.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        copier.join(timeout=30)  # the pipe closes when its last holder exits (Ray's may outlive the driver)
+        out.write(f"{time.perf_counter() - t0:7.1f} [exit {code}]\n".encode())
+    return code, log.read_text(errors="replace")

@@ -23,18 +23,65 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common import ROOT, Record, Stat, cache_dir, ratio_of_medians, tiny_model, write_json
+from bench.common import ROOT, cache_dir, tiny_model, write_json
 from bench.grpo_run import run_grpo
 
 PROMPTS, N, MAX_TOKENS = 4, 4, 32
 WARMUP_STEPS = 2
 OURS = "lorarl (adapter sync)"
 TRL = "TRL GRPOTrainer (merged full-weight sync)"
+
+
+@dataclass
+class Stat:
+    """Median and spread of repeated samples (seconds, or a ratio as `unit` says)."""
+
+    median: float
+    p25: float
+    p75: float
+    min: float
+    max: float
+    n: int
+    unit: str = "s"
+    samples: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, samples: list[float], unit: str = "s") -> Stat:
+        xs = sorted(float(x) for x in samples)
+        if not xs:
+            raise ValueError("no samples")
+        q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) >= 2 else [xs[0], xs[0], xs[0]]
+        return cls(statistics.median(xs), q[0], q[2], xs[0], xs[-1], len(xs), unit, [float(x) for x in samples])
+
+
+@dataclass
+class Record:
+    """One result row: what was measured, under which config, its samples, and where it has a
+    baseline measured in the same run, the ratio to it."""
+
+    measurement: str
+    what: str
+    config: str
+    stat: Stat | None
+    baseline: str | None = None
+    ratio: Stat | None = None
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ratio_of_medians(num: Stat, den: Stat) -> Stat:
+    """Samples not taken in pairs (separate runs): one ratio of medians."""
+    return Stat.of([num.median / den.median], unit="x")
 
 
 def versus(what: str, config: str, stat: Stat, baseline: str, base: Stat | None, extra: dict) -> Record:

@@ -1,9 +1,251 @@
-"""The GPU step bench's markdown: the equal-algorithm pairs first, then every run in the order
-it ran with what the machine was doing meanwhile."""
+"""The GPU step bench's numbers and markdown: each system's steps in one vocabulary, one row
+builder for both, the equal-algorithm pairs with their spread, and the report.
+
+A step, whichever system ran it: `step_s` and the phases `gen_s` (sampling), `logp_s` (no-grad
+log-prob passes: reference for KL, old log-probs for a correction that needs them), `update_s`
+(forward + backward + optimizer), `sync_s` (weights into the engine), `sleep_wake_s` (lorarl's
+engine sleep), `other_s` (the rest: rewards, advantages, host work), and `tokens` (real prompt
++ response tokens).
+
+    mfu_update    = 4 N tokens / (update_s x 989e12)   frozen-base LoRA: forward 2N + activation backward 2N
+    mfu_update_hw = 6 N tokens / (update_s x 989e12)   plus the forward recomputed by checkpointing
+                                                       (runs that checkpoint only)
+"""
 
 from __future__ import annotations
 
-from bench.step_rows import WARMUP_STEPS, fmt, fmt_spread
+import json
+import statistics
+from pathlib import Path
+
+PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
+WARMUP_STEPS = 2  # medians are over steps 3+
+PHASES = ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s")
+# The targets at equal algorithm: step seconds at most, TRL's step over ours and the MFU at least.
+TARGETS = {"7b": {"step_s": 3.5, "speedup": 1.8, "mfu_update": 0.55}, "0.5b": {"step_s": 1.4, "speedup": 1.6}}
+MFU_FORMULA = (
+    "mfu_update = 4*N*tokens_per_step / (update_s * 989e12): frozen-base LoRA update = forward 2N + "
+    "activation-gradient backward 2N per token, no base weight gradients, LoRA matmuls and attention scores "
+    "not counted; mfu_update_hw = 6*N*tokens_per_step / (...) also counts the forward recomputed by gradient "
+    "checkpointing, for runs that checkpoint (else '-'). N = all parameters from the shape (embedding "
+    "included, lm_head again when untied). "
+    "update_s: lorarl timing/update (forward+backward+optimizer, no log-prob passes); TRL step minus "
+    "_generate_and_score_completions."
+)
+
+
+def median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _with_other(step: dict) -> dict:
+    step["other_s"] = max(0.0, step["step_s"] - sum(step[k] for k in PHASES if k != "other_s"))
+    return step
+
+
+def lorarl_steps(metrics: list[dict], prompt_tokens: list[int], completions: int) -> list[dict]:
+    """Steps from lorarl's metrics.jsonl rows; tokens = the step's prompt tokens (lorarl's
+    loader, x n) + its mean response length x completions."""
+    out = []
+    for r in metrics:
+        step, tokens = r.get("step", 0), None
+        if "response_length/mean" in r and 0 < step <= len(prompt_tokens):
+            tokens = prompt_tokens[step - 1] + round(r["response_length/mean"] * completions)
+        phases = {
+            "step_s": r["timing/step"],
+            "gen_s": r.get("timing/gen", 0.0),
+            "logp_s": r.get("timing/ref_logp", 0.0) + r.get("timing/old_logp", 0.0),
+            "update_s": r.get("timing/update", 0.0),
+            # The driver's sync call includes waking a sleeping rollout, counted below.
+            "sync_s": r.get("timing/sync", 0.0) - r.get("timing/wake", 0.0),
+            "sleep_wake_s": r.get("timing/sleep", 0.0) + r.get("timing/wake", 0.0),
+        }
+        out.append(_with_other({**phases, "tokens": tokens}))
+    return out
+
+
+def trl_steps(result: dict) -> list[dict]:
+    """Steps from bench.trl_grpo_worker's output (its phases, named as lorarl's)."""
+    out = []
+    for s in result.get("steps", []):
+        tokens = round(s["prompt_tokens"] + s["completion_tokens"]) if "prompt_tokens" in s else None
+        phases = {"step_s": s["step_s"], "gen_s": s.get("generation_s", 0.0), "logp_s": s.get("logp_s", 0.0)}
+        phases.update(update_s=s.get("update_s", 0.0), sync_s=s.get("sync_s", 0.0), sleep_wake_s=0.0)
+        out.append(_with_other({**phases, "tokens": tokens}))
+    return out
+
+
+def lorarl_metrics(path: Path) -> tuple[list[dict], dict]:
+    """A lorarl run's metrics.jsonl: the rows with a step time, and where its start-up went (step
+    0's init/timing/*, without the prefix)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    init = next((json.loads(line) for line in lines if '"init/timing/' in line), {})
+    startup = {k.removeprefix("init/timing/"): v for k, v in init.items() if k.startswith("init/timing/")}
+    return [json.loads(line) for line in lines if '"timing/step"' in line], startup
+
+
+def lorarl_extras(rows: list[dict]) -> dict:
+    """What lorarl's metrics say beyond the timing: the sync, the memory, the rollout/trainer mismatch."""
+    last = rows[-1] if rows else {}
+    return {
+        "response_length_mean": [r.get("response_length/mean") for r in rows],
+        "sync_kind": last.get("sync/kind"),
+        "sync_bytes": last.get("sync/bytes"),
+        "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
+        "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        # What the update itself added (the log-prob passes included): what decides the sleep.
+        "memory_update_peak_gib": max((r.get("memory/update_peak_gib", 0.0) for r in rows), default=None),
+        # The caching allocator freeing its cache to retry an allocation (a device-wide wait) in the update.
+        "update_alloc_retries": [r.get("memory/alloc_retries") for r in rows],
+        # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
+        "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
+        "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],
+    }
+
+
+def param_count(dims: dict) -> int:
+    """All parameters of a Qwen2 with these config.json dims (q/k/v biases, two norms per layer,
+    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights."""
+    from types import SimpleNamespace
+
+    from lorarl.memory import ModelDims, weight_numel
+
+    return weight_numel(ModelDims.of(SimpleNamespace(**dims)), tied_head=bool(dims.get("tie_word_embeddings")))
+
+
+def mfu(n_params: int, tokens: float | None, update_s: float | None, recomputes: bool) -> dict:
+    """The update's MFU by 4N, and by 6N when activation checkpointing recomputes the forward
+    (without it the GPU does 4N: a 6N figure would count work that never ran)."""
+    if not tokens or not update_s:
+        return {"mfu_update": None, "mfu_update_hw": None}
+    return {
+        "mfu_update": 4 * n_params * tokens / (update_s * PEAK_FLOPS),
+        "mfu_update_hw": 6 * n_params * tokens / (update_s * PEAK_FLOPS) if recomputes else None,
+    }
+
+
+def step_row(steps: list[dict], n_params: int, recomputes: bool) -> dict:
+    """One run's numbers: every step's seconds, and medians over steps 3+ of the step, each
+    phase and the tokens, with the update's MFU (`recomputes`: the run checkpoints activations)."""
+    measured = steps[WARMUP_STEPS:]
+    breakdown = {key: median([s[key] for s in measured]) for key in PHASES} if measured else {}
+    tokens = median([s["tokens"] for s in measured])
+    return {
+        "steps_s": [s["step_s"] for s in steps],
+        "step_s": median([s["step_s"] for s in measured]),
+        "tokens_per_step": tokens,
+        "tokens_per_step_each": [s["tokens"] for s in steps],
+        "breakdown": breakdown,
+        "update_s_each": [s["update_s"] for s in steps],
+        **mfu(n_params, tokens, breakdown.get("update_s"), recomputes),
+    }
+
+
+def _spread(xs: list[float]) -> dict | None:
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def pairs(rows: list[dict]) -> list[dict]:
+    """Equal-algorithm comparisons: rows of the same shape, KL and correction, each lorarl arm
+    against TRL, with the spread of the step and the update over the repeats and the ratio of
+    TRL's step to lorarl's (median of each, and per repeat where both ran)."""
+    good = [r for r in rows if not r.get("error") and r.get("step_s")]
+    out = []
+    for key in sorted({(r["shape"], r["kl"], r["correction"]) for r in good}, key=str):
+        same = [r for r in good if (r["shape"], r["kl"], r["correction"]) == key]
+        trl = {r["repeat"]: r for r in same if r["system"] == "trl"}
+        for arm in sorted({r["arm"] for r in same if r["system"] == "lorarl"}):
+            ours = {r["repeat"]: r for r in same if r["arm"] == arm}
+            mine, theirs = [ours[k] for k in sorted(ours)], [trl[k] for k in sorted(trl)]
+            entry = dict(
+                zip(("shape", "kl", "correction"), key), arm=arm, repeats=sorted(ours), trl_repeats=sorted(trl)
+            )
+            entry.update(
+                lorarl_step_s=_spread([r["step_s"] for r in mine]),
+                trl_step_s=_spread([r["step_s"] for r in theirs]),
+                lorarl_update_s=_spread([r["breakdown"]["update_s"] for r in mine]),
+                trl_update_s=_spread([r["breakdown"]["update_s"] for r in theirs]),
+                lorarl_gen_s=_spread([r["breakdown"]["gen_s"] for r in mine]),
+                lorarl_mfu_update=_spread([r["mfu_update"] for r in mine if r["mfu_update"]]),
+                speedup_each=[trl[k]["step_s"] / ours[k]["step_s"] for k in sorted(set(ours) & set(trl))],
+            )
+            if entry["trl_step_s"]:
+                entry["speedup"] = entry["trl_step_s"]["median"] / entry["lorarl_step_s"]["median"]
+            entry["variance"] = {"lorarl": variance(mine), "trl": variance(theirs)}
+            entry["targets"] = target_check(key[0], entry)
+            out.append(entry)
+    return out
+
+
+def facts(row: dict) -> dict:
+    """What one run's time and machine were: its phases, the GPU while it ran, the host before it."""
+    during, before = row.get("during") or {}, row.get("before") or {}
+    gpu = before.get("gpu") or {}
+
+    def mid(key: str, part: str = "median") -> float | None:
+        return (during.get(key) or {}).get(part)
+
+    slowed = row.get("clocks_slowed_s")
+    return {
+        "repeat": row["repeat"],
+        "order": row.get("order"),
+        "step_s": row["step_s"],
+        "update_s": row["breakdown"].get("update_s"),
+        "gen_s": row["breakdown"].get("gen_s"),
+        "sm_clock_mhz": mid("clocks.sm"),
+        "sm_clock_min_mhz": mid("clocks.sm", "min"),
+        "temperature_max_c": mid("temperature.gpu", "max"),
+        "power_w": mid("power.draw"),
+        "cpu_busy": mid("cpu_busy"),
+        "loadavg_before": before.get("loadavg_1m"),
+        "python_loop_us_before": before.get("python_loop_us"),
+        "gpu_mib_before": gpu.get("memory.used"),
+        "clock_reasons_before": gpu.get("clock_reasons"),
+        # Seconds the driver held the clocks down during the run (power cap, thermal, ...), summed.
+        "clocks_slowed_s": sum(slowed.values()) if slowed else None,
+    }
+
+
+def variance(rows: list[dict]) -> dict | None:
+    """The spread of one side's repeats, and the fastest and the slowest run side by side with
+    what the machine did meanwhile: where a slow repeat's time went (update or generation) and
+    whether the GPU clocked lower, ran hotter, or the host was busier."""
+    if not rows:
+        return None
+    steps = [r["step_s"] for r in rows]
+    fast, slow = min(rows, key=lambda r: r["step_s"]), max(rows, key=lambda r: r["step_s"])
+    return {"spread_pct": (max(steps) - min(steps)) / median(steps), "fastest": facts(fast), "slowest": facts(slow)}
+
+
+def target_check(shape: str, entry: dict) -> dict:
+    """Each target of the shape: (wanted, measured median, met)."""
+    got = {
+        "step_s": entry["lorarl_step_s"]["median"],
+        "speedup": entry.get("speedup"),
+        "mfu_update": (entry["lorarl_mfu_update"] or {}).get("median"),
+    }
+    out = {}
+    for key, want in TARGETS.get(shape, {}).items():
+        met = None if got[key] is None else (got[key] <= want if key == "step_s" else got[key] >= want)
+        out[key] = {"want": want, "got": got[key], "met": met}
+    return out
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_spread(s: dict | None, digits: int = 2) -> str:
+    if not s:
+        return "-"
+    if s["n"] == 1:
+        return fmt(s["median"], digits)
+    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
+
+
+def _table(header: list[str]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
 
 def _targets(entry: dict) -> str:
@@ -15,25 +257,23 @@ def _targets(entry: dict) -> str:
 
 
 def pair_lines(entries: list[dict]) -> list[str]:
-    lines = [
-        "| shape | KL | correction | lorarl arm | lorarl step s | TRL step s | TRL / lorarl (each repeat) | "
-        "lorarl update s | TRL update s | lorarl gen s | MFU update | targets |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table(
+        ["shape", "KL", "correction", "lorarl arm", "lorarl step s", "TRL step s", "TRL / lorarl (each repeat)"]
+        + ["lorarl update s", "TRL update s", "lorarl gen s", "MFU update", "targets"]
+    )
     for e in entries:
         each = " ".join(f"{x:.2f}" for x in e["speedup_each"])
-        mfu = "-" if not e["lorarl_mfu_update"] else f"{e['lorarl_mfu_update']['median']:.1%}"
+        mfu_cell = "-" if not e["lorarl_mfu_update"] else f"{e['lorarl_mfu_update']['median']:.1%}"
         lines.append(
             f"| {e['shape']} | {'on' if e['kl'] else 'off'} | {e['correction']} | {e['arm']} | "
             f"{fmt_spread(e['lorarl_step_s'])} | {fmt_spread(e['trl_step_s'])} | "
             f"{fmt(e.get('speedup'))}x ({each or '-'}) | {fmt_spread(e['lorarl_update_s'])} | "
-            f"{fmt_spread(e['trl_update_s'])} | {fmt_spread(e['lorarl_gen_s'])} | "
-            f"{mfu} | {_targets(e)} |"
+            f"{fmt_spread(e['trl_update_s'])} | {fmt_spread(e['lorarl_gen_s'])} | {mfu_cell} | {_targets(e)} |"
         )
     return lines
 
 
-def _new_cache_files(row: dict) -> str:
+def new_cache_files(row: dict) -> str:
     """'triton +12, vllm +3': files each kernel cache gained during the run (kernels compiled)."""
     before = (row.get("before") or {}).get("kernel_cache_files") or {}
     after = (row.get("after") or {}).get("kernel_cache_files") or {}
@@ -42,11 +282,10 @@ def _new_cache_files(row: dict) -> str:
 
 
 def variance_lines(entries: list[dict]) -> list[str]:
-    lines = [
-        "| pair | side | spread | run | step s | update s | gen s | SM MHz median (min) | temp max C | power W | "
-        "clocks slowed s | CPU busy | load before | host loop us before | GPU MiB before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table(
+        ["pair", "side", "spread", "run", "step s", "update s", "gen s", "SM MHz median (min)", "temp max C"]
+        + ["power W", "clocks slowed s", "CPU busy", "load before", "host loop us before", "GPU MiB before"]
+    )
     trl_shown = set()  # TRL's runs are the same for every lorarl arm of a pair: shown once
     for e in entries:
         pair = f"{e['shape']} KL {'on' if e['kl'] else 'off'} {e['correction']}"
@@ -63,25 +302,22 @@ def variance_lines(entries: list[dict]) -> list[str]:
                     f"{v['spread_pct']:.0%} | {label} (r{f['repeat']}, #{fmt(f['order'], 0)}) | {fmt(f['step_s'])} | "
                     f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
                     f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "
-                    f"{fmt(f['clocks_slowed_s'])} | "
-                    f"{fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | {fmt(f.get('python_loop_us_before'), 3)} | "
-                    f"{fmt(f['gpu_mib_before'], 0)} |"
+                    f"{fmt(f['clocks_slowed_s'])} | {fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | "
+                    f"{fmt(f.get('python_loop_us_before'), 3)} | {fmt(f['gpu_mib_before'], 0)} |"
                 )
     return lines
 
 
 def _machine(row: dict) -> str:
-    before = row.get("before") or {}
-    gpu = before.get("gpu") or {}
-    during = row.get("during") or {}
+    before, during = row.get("before") or {}, row.get("during") or {}
 
     def stat(key: str, part: str, digits: int = 0) -> str:
         return fmt((during.get(key) or {}).get(part), digits)
 
     return (
         f"{stat('clocks.sm', 'median')} ({stat('clocks.sm', 'min')}) | {stat('temperature.gpu', 'max')} | "
-        f"{stat('power.draw', 'median')} | {fmt(gpu.get('memory.used'), 0)} | {fmt(before.get('loadavg_1m'))} | "
-        f"{fmt(before.get('python_loop_us'), 3)} | {stat('cpu_busy', 'median', 2)} |"
+        f"{stat('power.draw', 'median')} | {fmt((before.get('gpu') or {}).get('memory.used'), 0)} | "
+        f"{fmt(before.get('loadavg_1m'))} | {fmt(before.get('python_loop_us'), 3)} | {stat('cpu_busy', 'median', 2)} |"
     )
 
 
@@ -90,44 +326,46 @@ def _in_order(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("order") is None, r.get("order") or 0))
 
 
+def _notes(row: dict) -> str:
+    """A failure, allocator retries, the update's own peak (and whether the rollout slept for it),
+    and the kernels a run compiled."""
+    notes = [row["error"].splitlines()[0][:80]] if row.get("error") else []
+    retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
+    if retries:
+        notes.append(f"allocator retries in the update: {retries:.0f}")
+    if row.get("memory_update_peak_gib"):
+        slept = " (rollout asleep)" if ((row.get("breakdown") or {}).get("sleep_wake_s") or 0) > 0 else ""
+        notes.append(f"update peak {row['memory_update_peak_gib']:.1f} GiB{slept}")
+    if new_cache_files(row):
+        notes.append(f"kernel cache files added: {new_cache_files(row)}")
+    return " ".join(notes)
+
+
 def run_lines(rows: list[dict]) -> list[str]:
-    lines = [
-        "| # | run | correction | step s | steps s | gen | logp | update | sync | sleep+wake | other | tokens/step | "
-        "MFU update (4N / 6N) | SM MHz median (min) | temp max C | power median W | GPU MiB before | "
-        "load 1m before | host loop us before | CPU busy median | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table(
+        ["#", "run", "correction", "step s", "steps s", "gen", "logp", "update", "sync", "sleep+wake", "other"]
+        + ["tokens/step", "MFU update (4N / 6N)", "SM MHz median (min)", "temp max C", "power median W"]
+        + ["GPU MiB before", "load 1m before", "host loop us before", "CPU busy median", "notes"]
+    )
     for row in _in_order(rows):
         b = row.get("breakdown") or {}
         m4, m6 = row.get("mfu_update"), row.get("mfu_update_hw")
-        mfu = "-" if m4 is None else f"{m4:.1%} / " + ("-" if m6 is None else f"{m6:.1%}")
-        note = row["error"].splitlines()[0][:80] if row.get("error") else ""
-        retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
-        if retries:
-            note = f"{note} allocator retries in the update: {retries:.0f}".strip()
-        peak = row.get("memory_update_peak_gib")
-        if peak:
-            slept = " (rollout asleep)" if (b.get("sleep_wake_s") or 0) > 0 else ""
-            note = f"{note} update peak {peak:.1f} GiB{slept}".strip()
-        compiled = _new_cache_files(row)
-        if compiled:
-            note = f"{note} kernel cache files added: {compiled}".strip()
+        mfu_cell = "-" if m4 is None else f"{m4:.1%} / " + ("-" if m6 is None else f"{m6:.1%}")
         steps = " ".join(f"{s:.1f}" for s in row.get("steps_s") or [])
-        phases = " | ".join(fmt(b.get(k)) for k in ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s"))
+        phases = " | ".join(fmt(b.get(k)) for k in PHASES)
         lines.append(
             f"| {fmt(row.get('order'), 0)} | {row['run']} | {row['correction']} | {fmt(row.get('step_s'))} | {steps} | "
-            f"{phases} | {row.get('tokens_per_step') or '-'} | {mfu} | {_machine(row)} {note} |"
+            f"{phases} | {row.get('tokens_per_step') or '-'} | {mfu_cell} | {_machine(row)} {_notes(row)} |"
         )
     return lines
 
 
 def startup_lines(rows: list[dict]) -> list[str]:
     """Each run's wall time and, for lorarl, where its start-up went (the trainer's init/timing/*)."""
-    lines = [
-        "| run | wall s | model build s | checks s | Ray s | workers placed s | vLLM start s | training engine s | "
-        "steps s | rest s | TRL init s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table(
+        ["run", "wall s", "model build s", "checks s", "Ray s", "workers placed s", "vLLM start s"]
+        + ["training engine s", "steps s", "rest s", "TRL init s"]
+    )
     for row in _in_order(rows):
         up = row.get("startup_s") or {}
         steps = sum(row.get("steps_s") or []) or None
@@ -173,7 +411,17 @@ def markdown(result: dict) -> str:
     ]
     if result.get("skipped"):
         lines += ["", f"Not started (the --budget-s would have run out): {', '.join(result['skipped'])}"]
-    lines += ["", "Commands:", ""] + [
-        f"- `{row['run']}`: `{row.get('command') or '-'}`" for row in result["step_compare"]
-    ]
+    lines += ["", "Commands:", ""] + [f"- `{r['run']}`: `{r.get('command') or '-'}`" for r in result["step_compare"]]
     return "\n".join(lines) + "\n"
+
+
+def report_line(row: dict) -> str:
+    """One line per finished run on the console."""
+    status = f"FAILED ({row['error'].splitlines()[0][:160]})" if row.get("error") else "ok"
+    mfu_cell = "-" if row.get("mfu_update") is None else f"{row['mfu_update']:.1%}"
+    sm = ((row.get("during") or {}).get("clocks.sm") or {}).get("median")
+    return (
+        f"[gpu_step] {row['run']}: step {fmt(row.get('step_s'))} s (median of steps {WARMUP_STEPS + 1}+), "
+        f"update {fmt((row.get('breakdown') or {}).get('update_s'))} s, tokens/step {row.get('tokens_per_step')}, "
+        f"mfu_update {mfu_cell}, SM {fmt(sm, 0)} MHz, wall {row['wall_s']:.0f} s: {status}"
+    )

@@ -27,7 +27,7 @@ old log-probs for vLLM importance-sampling correction, reference log-probs when 
 `update_s` (the step minus _generate_and_score_completions: forward+backward of every
 micro-batch and the optimizer step). On CUDA each timer ends with a device synchronize.
 `--vllm-is-correction/--vllm-is-mode/--vllm-is-clip-*` set TRL's importance-sampling correction
-(bench.step_plan maps lorarl's `algorithm.rollout_correction` onto them, so both run one algorithm).
+(`lorarl_options` maps a lorarl config's `algorithm.rollout_correction` onto them, so both run one algorithm).
 The output file is rewritten after every step, so a run stopped early keeps its steps.
 """
 
@@ -39,10 +39,49 @@ import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# TRL sizes vLLM's KV cache with gpu_memory_utilization, which the CPU build reads as a share
-# of host RAM minus this process's RSS; a fixed 1 GiB (whole GiB only) is what works here.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# lorarl's rollout corrections (bench.gpu_step's names) as TRL's importance-sampling modes: the
+# same ratio, the same truncation or mask; lorarl's thresholds become TRL's clip_max and clip_min.
+TRL_IS_MODE = {
+    "token_tis": "token_truncate",
+    "seq_tis": "sequence_truncate",
+    "token_mask": "token_mask",
+    "seq_mask": "sequence_mask",
+}
+
+
+def correction_options(correction: str, rc) -> list[str]:
+    """The options for lorarl's correction config `rc` (algorithm.rollout_correction): *_tis
+    truncates above rollout_is_threshold; *_mask keeps ratios inside rollout_rs_threshold's bounds.
+    lorarl's k1 threshold (`upper` or `lower_upper`) bounds pi_rollout / pi_trainer, TRL's clip the
+    inverse ratio."""
+    if correction == "none":
+        return ["--vllm-is-correction", "off"]
+    args = ["--vllm-is-correction", "on", "--vllm-is-mode", TRL_IS_MODE[correction]]
+    if not correction.endswith("_mask"):
+        return [*args, "--vllm-is-clip-max", str(rc.rollout_is_threshold)]
+    parts = [float(x) for x in str(rc.rollout_rs_threshold).split("_")]
+    lower, upper = (1.0 / parts[0], parts[0]) if len(parts) == 1 else parts
+    return [*args, "--vllm-is-clip-max", str(1.0 / lower), "--vllm-is-clip-min", str(1.0 / upper)]
+
+
+def lorarl_options(run_cfg, correction: str, cpu: bool) -> list[str]:
+    """The options that run the work of a composed lorarl RunConfig with every setting the two
+    share: batch, steps, LoRA, lr, KL, micro-batching, checkpointing, sampling, vLLM's memory share
+    and the rollout correction. The micro-batch is lorarl's row count, or for a token budget the
+    rows of the longest sequences that fit it, rounded down to a power of two (it must divide the
+    step's completions). On CPU one thread: one process shares two cores with its vLLM."""
+    r, d, m, a = run_cfg.rollout, run_cfg.data, run_cfg.model, run_cfg.actor
+    width = d.max_prompt_length + d.max_response_length
+    rows = a.ppo_max_token_len_per_gpu // width if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu
+    micro = 1 << (max(1, min(rows, d.train_batch_size * r.n)).bit_length() - 1)
+    args = ["--steps", str(run_cfg.trainer.total_steps), "--prompts", str(d.train_batch_size), "--samples", str(r.n)]
+    args += ["--max-tokens", str(d.max_response_length), "--device", "cpu" if cpu else "cuda", "--dtype", m.dtype]
+    args += ["--rank", str(m.lora.rank), "--alpha", str(m.lora.alpha), "--lr", str(a.optim.lr)]
+    args += ["--beta", str(a.kl_loss_coef if a.use_kl_loss else 0.0), "--micro-batch", str(micro)]
+    args += ["--gradient-checkpointing", "on" if m.enable_gradient_checkpointing else "off"]
+    args += ["--max-model-len", str(r.max_model_len or width), "--temperature", str(r.temperature)]
+    args += correction_options(correction, run_cfg.algorithm.rollout_correction)
+    return args + (["--threads", "1"] if cpu else ["--vllm-gpu-memory-utilization", str(r.gpu_memory_utilization)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -320,6 +359,10 @@ def write_out(path: str, obj: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # TRL sizes vLLM's KV cache with gpu_memory_utilization, which the CPU build reads as a share
+    # of host RAM minus this process's RSS; a fixed 1 GiB (whole GiB only) is what works here.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args = parse_args(argv)
     import torch
 

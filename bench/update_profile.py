@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
-from bench.step_rows import mfu, param_count
+from bench.step_report import mfu, param_count
 from lorarl.batch import build_batch
 from lorarl.config import compose
 from lorarl.engines.fsdp import FSDPEngine

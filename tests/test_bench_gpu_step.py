@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_state import Sampler, host_state, nvidia_smi, slowdown_s
-from bench.step_plan import (
+from bench.common import Sampler, host_state, nvidia_smi, slowdown_s
+from bench.gpu_step import (
     CORRECTIONS,
     GPU_WORK,
     SHAPE_RUNS,
     TRL,
-    TRL_IS_MODE,
     Arm,
     Pair,
     Run,
@@ -29,11 +28,10 @@ from bench.step_plan import (
     plan,
     repeat_groups,
     select,
-    trl_correction_args,
     walls_of,
 )
-from bench.step_report import markdown
-from bench.step_rows import lorarl_steps, pairs, param_count, step_row, trl_steps
+from bench.step_report import lorarl_steps, markdown, pairs, param_count, step_row, trl_steps
+from bench.trl_grpo_worker import TRL_IS_MODE, correction_options
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,8 +78,7 @@ def test_plan_alternates_lorarl_and_trl_within_each_equal_algorithm_pair():
 
 
 def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tmp_path):
-    from bench.gpu_step import parse_args, planned
-    from bench.step_launch import compose_run, last_setting_wins, lorarl_overrides
+    from bench.gpu_step import compose_run, last_setting_wins, lorarl_overrides, parse_args, planned
 
     args = parse_args(["--shapes", "7b", "--kl", "on", "--corrections", "token_tis", "--repeats", "1",
                        "--variant", "keep:backend.reshard_after_forward=false"])  # fmt: skip
@@ -92,7 +89,7 @@ def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tm
         "trl-7b-klon-token_tis-r1",
     ]
     # The variant's run composes the preset's algorithm with its own setting on top.
-    base, keep = (lorarl_overrides(r, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "m", False, None) for r in runs[:2])
+    base, keep = (lorarl_overrides(r, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "m", False) for r in runs[:2])
     configs = [compose_run("fsdp", o, tmp_path) for o in (base, [*keep, *runs[1].arm.overrides])]
     assert [c.backend.reshard_after_forward for c in configs] == [True, False]
     assert configs[0].actor == configs[1].actor and configs[0].algorithm == configs[1].algorithm
@@ -130,14 +127,14 @@ def _rc(correction: str, rs_threshold: str = "2.0"):
 
 
 def test_trl_runs_lorarls_correction():
-    assert trl_correction_args("none", _rc("none")) == ["--vllm-is-correction", "off"]
-    tis = trl_correction_args("token_tis", _rc("token_tis"))
+    assert correction_options("none", _rc("none")) == ["--vllm-is-correction", "off"]
+    tis = correction_options("token_tis", _rc("token_tis"))
     assert tis == ["--vllm-is-correction", "on", "--vllm-is-mode", "token_truncate", "--vllm-is-clip-max", "2.0"]
-    assert trl_correction_args("seq_mask", _rc("seq_mask", "4.0"))[3:] == [
+    assert correction_options("seq_mask", _rc("seq_mask", "4.0"))[3:] == [
         "sequence_mask", "--vllm-is-clip-max", "4.0", "--vllm-is-clip-min", "0.25",
     ]  # fmt: skip
     # k1 bounds pi_rollout / pi_trainer; TRL's clip bounds the inverse ratio.
-    assert trl_correction_args("token_mask", _rc("token_mask", "0.5_10.0"))[-4:] == [
+    assert correction_options("token_mask", _rc("token_mask", "0.5_10.0"))[-4:] == [
         "--vllm-is-clip-max", "2.0", "--vllm-is-clip-min", "0.1",
     ]  # fmt: skip
     assert set(TRL_IS_MODE) == set(CORRECTIONS) - {"none"}
@@ -148,10 +145,10 @@ def test_trl_worker_builds_the_grpo_config_of_each_correction(tmp_path):
     from bench.trl_grpo_worker import grpo_config, parse_args
 
     base = ["--model", "m", "--train-parquet", "p", "--out", str(tmp_path / "o.json"), "--prompts", "4", "--n", "4"]
-    off = grpo_config(parse_args([*base, *trl_correction_args("none", _rc("none"))]))
+    off = grpo_config(parse_args([*base, *correction_options("none", _rc("none"))]))
     assert off.vllm_importance_sampling_correction is False
     for correction, mode in TRL_IS_MODE.items():
-        cfg = grpo_config(parse_args([*base, "--micro-batch", "4", *trl_correction_args(correction, _rc(correction))]))
+        cfg = grpo_config(parse_args([*base, "--micro-batch", "4", *correction_options(correction, _rc(correction))]))
         assert cfg.vllm_importance_sampling_correction is True
         assert (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max) == (mode, 2.0)
         assert cfg.vllm_importance_sampling_clip_min == (0.5 if mode.endswith("mask") else None)
@@ -287,7 +284,7 @@ def test_the_sampler_records_the_host_during_a_run():
     assert slowdown_s({"slowdown_us": None}, after) is None  # no nvidia-smi: nothing to difference
     state = host_state()
     assert state["loadavg_1m"] >= 0 and state["mem_available_gib"] > 0
-    assert 0 < state["python_loop_us"] < 100 and state["cpu_model"]
+    assert 0 < state["python_loop_us"] < 100
     assert state["gpu"] == nvidia_smi(("memory.used",)) is None or state["gpu"]["memory.used"] is not None
     assert state["page_cache_gib"] >= 0 and set(state["kernel_cache_files"]) == {"triton", "inductor", "vllm"}
 
@@ -295,7 +292,7 @@ def test_the_sampler_records_the_host_during_a_run():
 def test_a_run_that_compiled_kernels_says_so(tmp_path, monkeypatch):
     """Files a kernel cache gained during a run are noted beside it (a lease's first 7B run was
     slower in every step; compiling is one suspect)."""
-    from bench.step_report import _new_cache_files
+    from bench.step_report import new_cache_files
 
     for name, key in (
         ("triton", "TRITON_CACHE_DIR"),
@@ -312,8 +309,8 @@ def test_a_run_that_compiled_kernels_says_so(tmp_path, monkeypatch):
         {"triton": 0, "inductor": 0, "vllm": 0},
         {"triton": 3, "inductor": 0, "vllm": 0},
     )
-    assert _new_cache_files({"before": before, "after": after}) == "triton +3"
-    assert _new_cache_files({"before": after, "after": after}) == ""
+    assert new_cache_files({"before": before, "after": after}) == "triton +3"
+    assert new_cache_files({"before": after, "after": after}) == ""
 
 
 def test_the_runs_table_notes_the_updates_own_peak_and_a_sleeping_rollout():
@@ -329,15 +326,24 @@ def test_the_runs_table_notes_the_updates_own_peak_and_a_sleeping_rollout():
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_path):
-    from bench.step_launch import compose_run, lorarl_overrides, trl_args
+    from bench.gpu_step import compose_run, lorarl_overrides
+    from bench.trl_grpo_worker import lorarl_options
+    from bench.trl_grpo_worker import parse_args as parse_worker_args
 
     pair = Pair("7b", True, "seq_mask")
     run = Run(Arm("lorarl", backend, "adapter"), pair, 1)
-    overrides = lorarl_overrides(run, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "model", False, None)
+    overrides = lorarl_overrides(run, SHAPE_RUNS["7b"], GPU_WORK, tmp_path / "model", False)
     cfg = compose_run(backend, [*overrides, "algorithm.rollout_correction.rollout_rs_threshold=4.0"], tmp_path)
     rc = cfg.algorithm.rollout_correction
     assert (rc.rollout_is, rc.rollout_rs, cfg.actor.use_kl_loss) == (None, "seq_sum_k1", True)
-    args = trl_args(Run(TRL, pair, 1), cfg, GPU_WORK, tmp_path / "model", tmp_path / "d", tmp_path / "o.json", False)
+    args = lorarl_options(cfg, pair.correction, cpu=False)
     assert args[args.index("--vllm-is-mode") + 1] == "sequence_mask"
     assert args[args.index("--vllm-is-clip-min") + 1] == "0.25" and args[args.index("--beta") + 1] == "0.001"
     assert args[args.index("--micro-batch") + 1] == "16"  # the 7B preset's 4096-token budget / 192 tokens, as 2^k
+    # TRL's work is read from the composed config: the bench's work, step for step.
+    work = {o: args[args.index(o) + 1] for o in ("--prompts", "--samples", "--max-tokens", "--steps")}
+    assert work == {"--prompts": "32", "--samples": "8", "--max-tokens": "128", "--steps": "6"}
+    assert args[args.index("--vllm-gpu-memory-utilization") + 1] == "0.35"
+    # The worker takes them as they are (its parser needs no trl).
+    parsed = parse_worker_args(["--model", "m", "--train-parquet", "p", "--out", "o", *args])
+    assert (parsed.prompts, parsed.n, parsed.micro_batch, parsed.vllm_is_clip_max) == (32, 8, 16, 4.0)

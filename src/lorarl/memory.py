@@ -54,7 +54,7 @@ def weight_numel(d: ModelDims, tied_head: bool = False) -> int:
     """The model's weights: every decoder layer's projections (with Qwen2's q/k/v biases) and
     norms, the final norm, the embedding and the LM head, once more unless `tied_head`. The
     estimate below counts the head apart even when tied (generous); the benchmarks' MFU counts
-    what the checkpoint holds (bench.step_rows.param_count)."""
+    what the checkpoint holds (bench.step_report.param_count)."""
     q, kv, h = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden
     per_layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * d.intermediate + 2 * h
     return d.layers * per_layer + (1 if tied_head else 2) * d.vocab * h + h
