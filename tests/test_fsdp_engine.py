@@ -178,3 +178,25 @@ def test_compiled_and_fused_lora_engines_compute_what_the_plain_engine_does(tiny
     reference pass, two updates and the log-probs after them, on micro-batches of different
     shapes; no graph break, and every LoRA linear of a training forward fused."""
     torchrun(1, str(tiny_model_path), script=ROOT / "tests" / "distributed" / "fsdp_variants_check.py")
+
+
+def test_semantic_expected_side_from_shards_is_pefts_delta(engine_run, tiny_model_path):
+    """The trainer's u^T dW v, summed from FSDP shards over 1 and 2 ranks, equals the same
+    projection of PEFT's own get_delta_weight on one process; the self-test's random factors
+    changed the export and were put back bit for bit."""
+    from lorarl.sync import semantic
+
+    _, out = engine_run
+    result = json.loads((out / "result.json").read_text())
+    assert result["randomized_differs"] and result["restored"]
+    model = hf_peft(tiny_model_path, load_file(out / "adapter_bucketed.safetensors"))
+    want = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
+            delta = module.get_delta_weight("default").double()
+            u, v = semantic.signs(delta.shape[0], "out"), semantic.signs(delta.shape[1], "in")
+            want[name.removeprefix("base_model.model.")] = torch.einsum("ko,oi,ki->k", u, delta, v)
+    got = result["projections"]
+    assert sorted(got) == sorted(want) and len(want) == 14
+    for path, values in got.items():
+        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), want[path], rtol=1e-4, atol=1e-6)

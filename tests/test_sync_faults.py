@@ -113,10 +113,13 @@ def move_adapter(worker, seed: int) -> None:
 
 def peft_projections(model) -> dict[str, torch.Tensor]:
     """u^T dW v per HF module (per expert projection) from PEFT's own get_delta_weight."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     for lora in semantic.trainer_loras(model):
         module = dict(model.named_modules())[_peft_name(model, lora)]
-        delta = module.get_delta_weight("default").double()
+        delta = module.get_delta_weight("default")
+        delta = (delta.full_tensor() if isinstance(delta, DTensor) else delta).double()
         parts = semantic.EXPERT_PARTS[lora.parameter] if lora.parameter else (None,)
         deltas = delta.unsqueeze(0) if lora.num_experts == 1 else delta  # [E, out, in]
         rows = deltas.shape[1] // len(parts)
@@ -154,7 +157,7 @@ def test_the_expected_side_is_pefts_delta(worker):
     theirs = peft_projections(worker.engine.model)
     assert sorted(mine) == sorted(theirs)
     for path, want in theirs.items():
-        torch.testing.assert_close(mine[path].values, want, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(mine[path].values, want, rtol=1e-4, atol=1e-6)  # PEFT forms dW in float32
     if worker.model_name == "qwen3_moe_tiny":
         assert any(".experts.7.down_proj" in p for p in mine)
 
@@ -202,8 +205,8 @@ def test_faults_in_bfloat16_at_real_layer_sizes():
             for name, (sa, sb) in slots.items():
                 want = expected[name]
                 wanted = {name: (0, want.out_features, want.in_features)}
-                (_, value, share), *_ = semantic.slot_projections([name], sa[None], sb[None], wanted, (0, 1), False)
-                out[name] = (value, share)
+                ((_, values, share),) = semantic.slot_projections([name], sa[None], sb[None], wanted, (0, 1), False)
+                out[name] = (values[0], share)
             return out
 
         assert semantic.compare(expected, observed(slots), roundoff) == 1.0

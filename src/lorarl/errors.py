@@ -36,6 +36,13 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line of at most `limit` characters (vLLM's messages can list every
+    parameter of the model)."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from lorarl.batch import build_batch
 from lorarl.config import RunConfig, compose
 from lorarl.engines.fsdp import FSDPEngine, peft_name
+from lorarl.sync import semantic
 from lorarl.sync.payload import PayloadKind
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -89,6 +90,14 @@ def main(model_path: str, out: str) -> None:
         assert payload.kind is PayloadKind.ADAPTER
         adapters[method] = dict(payload.tensors)
         timings[method] = seconds
+    # The semantic check's expected side from the shards (one all-reduce), and the self-test's
+    # random factors put back bit for bit.
+    projections = {path: p.values.tolist() for path, p in engine.lora_projections().items()}
+    with semantic.randomized(engine.lora_parameters()):
+        randomized_differs = any(
+            not torch.equal(t, adapters["bucketed"][n]) for n, t in engine.export(PayloadKind.ADAPTER)[0].tensors
+        )
+    restored = all(torch.equal(t, adapters["bucketed"][n]) for n, t in engine.export(PayloadKind.ADAPTER)[0].tensors)
     base_payload, _ = engine.export(PayloadKind.BASE)
     base = dict(base_payload.tensors)
     adapter_config = engine.adapter_config()
@@ -149,6 +158,9 @@ def main(model_path: str, out: str) -> None:
                     "metrics_padded_again": metrics_padded_again,
                     "timings": timings,
                     "adapter_config": adapter_config,
+                    "projections": projections,
+                    "randomized_differs": randomized_differs,
+                    "restored": restored,
                 }
             )
         )

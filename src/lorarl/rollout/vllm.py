@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lorarl.errors import ConfigError, SyncError
+from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout import engine_process, vllm_engine_args, vllm_worker
@@ -106,10 +106,8 @@ class VLLMRollout(FingerprintReads):
         # the engine still starts and loads adapters, so the layout can be checked, not served.
         self._cpu_moe_lora = self._is_cpu and self.max_lora_rank is not None and is_moe_checkpoint(model_path)
 
-        kwargs: dict = dict(
-            model=str(model_path),
-            # Tensor parallel engines are one per process over the caller's process group.
-            distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
+        kwargs = vllm_engine_args.llm_kwargs(
+            model_path,
             dtype=self.dtype,
             seed=seed,
             max_model_len=max_model_len,
@@ -119,25 +117,11 @@ class VLLMRollout(FingerprintReads):
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None and self._is_cpu else kv_cache_bytes,
             trust_remote_code=trust_remote_code,
-            # Sampled-token log-probs after temperature, as the trainer computes them (the
-            # rollout-mismatch metrics and correction compare the two).
-            logprobs_mode="processed_logprobs",
+            max_lora_rank=self.max_lora_rank,
+            engine_kwargs=engine_kwargs or {},
         )
-        if kv_cache_bytes is None and self._is_cpu:
-            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        if kv_cache_bytes is not None:
-            # On CPU this replaces gpu_memory_utilization, which there reserves a share of host RAM.
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-        if self.max_lora_rank is not None:
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.max_lora_rank)
-            # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
-            # without one would never run: vLLM's V1 model runner then captures only the LoRA
-            # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
-            # per mode there: 51 sizes x [no adapter, adapter]).
-            kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
-
-        kwargs = vllm_engine_args.merged(kwargs, engine_kwargs or {})
 
         engine_process.first_engine_in_process()
         with engine_process.process_state_kept():
@@ -351,7 +335,7 @@ class VLLMRollout(FingerprintReads):
             self.run_in_worker(vllm_worker.finish_interrupted_reload)
             if isinstance(exc, SyncError):
                 raise
-            raise SyncError(f"vLLM could not load the base payload: {_short(exc)}") from exc
+            raise SyncError(f"vLLM could not load the base payload: {one_line(exc)}") from exc
         stats.load_s = time.perf_counter() - start
         if stats.num_tensors == 0:
             raise SyncError("base payload was empty; nothing was loaded into the engine")
@@ -445,10 +429,10 @@ class VLLMRollout(FingerprintReads):
             if loaded != {ADAPTER_ID}:
                 raise SyncError(f"vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
         except Exception as exc:
-            self._reject(_short(exc))
+            self._reject(one_line(exc))
             if isinstance(exc, SyncError):
                 raise SyncError(f"after the adapter sync {exc}") from exc
-            raise SyncError(f"vLLM rejected the adapter: {_short(exc)}") from exc
+            raise SyncError(f"vLLM rejected the adapter: {one_line(exc)}") from exc
         self._has_adapter = True
         self._rejected = None
         return time.perf_counter() - start
@@ -509,9 +493,3 @@ class VLLMRollout(FingerprintReads):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _short(exc: BaseException, limit: int = 300) -> str:
-    """One line: vLLM's messages can list every parameter of the model."""
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    return text if len(text) <= limit else text[:limit] + " ..."

@@ -7,7 +7,8 @@ takes); lorarl sets a few from its own keys and passes any others as given, as v
 refused, naming the key that sets it (two spellings of one setting could disagree). Other names
 are checked against the installed vLLM before anything starts (lorarl.preflight).
 
-This module imports nothing of vLLM: the config's own check uses it in the driver.
+This module imports nothing of vLLM: the config's own check uses it in the driver, and the rollout
+builds its `vllm.LLM` arguments with `llm_kwargs`.
 """
 
 from __future__ import annotations
@@ -71,3 +72,53 @@ def merged(lorarl_kwargs: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict
     if isinstance(ours, dict) and isinstance(theirs, dict):
         out["compilation_config"] = {**ours, **theirs}
     return out
+
+
+def llm_kwargs(
+    model_path,
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    enable_expert_parallel: bool,
+    load_format: str,
+    enforce_eager: bool,
+    enable_sleep_mode: bool,
+    gpu_memory_utilization: float,
+    kv_cache_bytes: int | None,
+    trust_remote_code: bool,
+    max_lora_rank: int | None,
+    engine_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The `vllm.LLM` kwargs of a rollout engine: what lorarl sets (SET_BY_LORARL), then the
+    user's `rollout.engine_kwargs`."""
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        # Tensor parallel engines are one per process over the caller's process group.
+        distributed_executor_backend="external_launcher" if tensor_parallel_size > 1 else None,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        load_format=load_format,
+        enforce_eager=enforce_eager,
+        enable_sleep_mode=enable_sleep_mode,
+        gpu_memory_utilization=gpu_memory_utilization,
+        trust_remote_code=trust_remote_code,
+        # Sampled-token log-probs after temperature, as the trainer computes them (the
+        # rollout-mismatch metrics and correction compare the two).
+        logprobs_mode="processed_logprobs",
+    )
+    if kv_cache_bytes is not None:
+        # On CPU this replaces gpu_memory_utilization, which there reserves a share of host RAM.
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if max_lora_rank is not None:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank)
+        # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
+        # without one would never run: vLLM's V1 model runner then captures only the LoRA
+        # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
+        # per mode there: 51 sizes x [no adapter, adapter]).
+        kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
+    return merged(kwargs, engine_kwargs)

@@ -129,15 +129,15 @@ def lora_projections(
     share = torch.zeros(len(wanted), dtype=torch.float64)
     stray = []
     for names, a, b, spread in slot_groups(worker, lora_id):
-        mine = [n for n in names if n in wanted]
-        for name in set(names) - set(mine):
-            i = names.index(name)
-            if bool(a[i].any()) and bool(b[i].any()):
-                stray.append(name)
+        mine = [i for i, n in enumerate(names) if n in wanted]
+        if len(mine) < len(names):
+            taken = set(mine)
+            stray += [n for i, n in enumerate(names) if i not in taken and bool(a[i].any()) and bool(b[i].any())]
         if not mine:
             continue
-        rows = [names.index(n) for n in mine]
-        for name, value, part in slot_projections(mine, a[rows], b[rows], wanted, tp, spread, count):
-            values[wanted[name][0]] = value.cpu()
-            share[wanted[name][0]] += part
+        group = [names[i] for i in mine]
+        for held, projected, part in slot_projections(group, a[mine], b[mine], wanted, tp, spread, count):
+            index = torch.tensor([wanted[n][0] for n in held])
+            values[index] = projected
+            share[index] += part
     return values, share, stray

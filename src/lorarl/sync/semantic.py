@@ -173,6 +173,7 @@ def trainer_projections(
     flat = torch.cat([t.reshape(-1) for share in shares for t in share])
     if all_reduce is not None:
         flat = all_reduce(flat)
+    flat = flat.cpu()  # one transfer; the comparison runs on the host
     out: dict[str, Projection] = {}
     offset = 0
     for lora, share in zip(loras, shares):
@@ -230,11 +231,12 @@ def slot_projections(
     tp: tuple[int, int],
     spread: bool,
     count: int = PROJECTIONS,
-) -> Iterator[tuple[str, Tensor, float]]:
-    """(name, u^T B A v [count], share of the module this slot covers) for each slot of a group
-    of equal-shaped vLLM LoRA slots, A [n, r, in] and B [n, out, r] as vLLM computes with them
-    (its scaling folded into B). `wanted` maps a slot name to (index, full out, full in);
-    `spread`: each slot is held by one rank (experts under expert parallelism)."""
+) -> Iterator[tuple[list[str], Tensor, float]]:
+    """(names, u^T B A v [len(names), count] on the host, share of its module each slot covers)
+    for a group of equal-shaped vLLM LoRA slots, A [n, r, in] and B [n, out, r] as vLLM computes
+    with them (its scaling folded into B), one host transfer per module size. `wanted` maps a
+    slot name to (index, full out, full in); `spread`: each slot is held by one rank (experts
+    under expert parallelism)."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     rows, cols = b.shape[1], a.shape[2]
     by_dims: dict[tuple[int, int], list[int]] = {}
@@ -249,9 +251,7 @@ def slot_projections(
         v = signs(n_in, "in", count, device=a.device)[:, c0 : c0 + cols]
         z = torch.einsum("ko,nor->nkr", u, b64[idx])
         y = torch.einsum("ki,nri->nkr", v, a64[idx])
-        values = (z * y).sum(-1) / rep
-        for row, i in enumerate(idx):
-            yield names[i], values[row], rows * cols / (n_out * n_in) / rep
+        yield [names[i] for i in idx], ((z * y).sum(-1) / rep).cpu(), rows * cols / (n_out * n_in) / rep
 
 
 # ------------------------------------------------------------------------------ the comparison
@@ -270,26 +270,33 @@ def compare(
     extra: Iterable[str] = (),
 ) -> float:
     """1.0 when vLLM applies every module's delta within rounding; else a SyncError naming the
-    first module (layer, module, expert) that differs, and how."""
+    first module (layer, module, expert) that differs, and how. All modules at once: an MoE
+    model has tens of thousands of expert projections."""
     who = "" if rank is None else f"rank {rank}: "
-    for path in sorted(expected, key=_natural):
-        want = expected[path]
-        got, cover = observed.get(path, (None, 0.0))
-        if got is None or abs(cover - 1.0) > 1e-6:
-            raise SyncError(
-                f"{who}{_place(path)}: vLLM holds {cover:.2f} of this module's LoRA after the sync (1.00 expected); "
-                "the export left it out or vLLM has no slot for it"
-            )
-        bound = NOISE_SIGMAS * roundoff * want.noise
-        err = (got.to(want.values) - want.values).abs()
-        if bool((err > bound).any()):
-            j = int((err - bound).argmax())
-            ratio = float(got[j] / want.values[j]) if float(want.values[j]) != 0 else float("inf")
-            raise SyncError(
-                f"{who}{_place(path)}: the delta vLLM applies is not the trainer's (u^T dW v {float(got[j]):.4g} vs "
-                f"{float(want.values[j]):.4g}, ratio {ratio:.3g}, allowed difference {float(bound[j]):.2g}); "
-                "vLLM would not compute what the trainer trains (a module in the wrong place, order or scale)"
-            )
+    paths = sorted(expected, key=_natural)
+    cover = torch.tensor([observed[p][1] if p in observed else 0.0 for p in paths], dtype=torch.float64)
+    missing = ((cover - 1.0).abs() > 1e-6).nonzero()
+    if len(missing):
+        i = int(missing[0])
+        raise SyncError(
+            f"{who}{_place(paths[i])}: vLLM holds {float(cover[i]):.2f} of this module's LoRA after the sync (1.00 "
+            "expected); the export left it out or vLLM has no slot for it"
+        )
+    want = torch.stack([expected[p].values for p in paths])
+    got = torch.stack([observed[p][0] for p in paths]).to(want)
+    bound = NOISE_SIGMAS * roundoff * torch.stack([expected[p].noise for p in paths])
+    excess = (got - want).abs() - bound
+    wrong = (excess > 0).any(1).nonzero()
+    if len(wrong):
+        i = int(wrong[0])
+        j = int(excess[i].argmax())
+        w, g = float(want[i, j]), float(got[i, j])
+        ratio = g / w if w != 0 else float("inf")
+        raise SyncError(
+            f"{who}{_place(paths[i])}: the delta vLLM applies is not the trainer's (u^T dW v {g:.4g} vs {w:.4g}, "
+            f"ratio {ratio:.3g}, allowed difference {float(bound[i, j]):.2g}); vLLM would not compute what the "
+            "trainer trains (a module in the wrong place, order or scale)"
+        )
     stray = sorted(extra)
     if stray:
         raise SyncError(f"{who}vLLM applies a LoRA delta at '{stray[0]}', which the trainer does not train")
