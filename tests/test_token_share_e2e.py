@@ -2,7 +2,7 @@
 (Ray worker, FSDP2 over gloo, vLLM CPU with the synced adapter): the task gives a model that knows
 nothing a learning signal, so rewards differ within groups, gradients are non-zero, the reward
 climbs and the adapter moves the probe's log-probs. This is what random-weight shape runs on a GPU
-need before their sync checks mean anything (tests/gpu/moe_step.sh, tests/gpu/shape_step.sh).
+need before their sync checks mean anything (tests/gpu/moe_step.sh, tests/gpu/dense_step.sh).
 
 Measured for the thresholds (the settings below, trainer.seed 1 and 2; dense Qwen2 / Qwen3-MoE):
 reward of the last 3 steps minus the first 3, +0.092, +0.085 / +0.085, +0.078; the dense runs at
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.shape_summary import samples_per_step, step_rows, summarise
 from tests.test_grpo_e2e import grpo, metrics
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def random_models(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_random_model_learns_token_share(run_cache, random_models, tmp_path, arch):
+def test_random_model_learns_token_share(lorarl_cache, random_models, tmp_path, arch):
     from lorarl.models.tiny import MARKER, ensure_tiny_model
 
     preset, kind, fingerprint = MODELS[arch]
@@ -77,7 +78,7 @@ def test_random_model_learns_token_share(run_cache, random_models, tmp_path, arc
     run = tmp_path / "run"
     out = grpo(
         run,
-        run_cache,
+        lorarl_cache,
         "data=token_share",
         f"model={preset}",
         f"model.path={model}",
@@ -93,4 +94,7 @@ def test_random_model_learns_token_share(run_cache, random_models, tmp_path, arc
     rows = metrics(run)
     assert len(rows) == STEPS and all(r["sync/kind"] == kind and r[fingerprint] == 1.0 for r in rows)
     assert learning_failures(rows) == []
-    assert (run_cache / "data" / "token_share_v1_n1024" / "train.parquet").is_file()  # the generator wrote it
+    # The GPU shape runs' summary reads this run as they will read theirs.
+    summary = summarise(step_rows(run / "metrics.jsonl"), samples_per_step(run), out.returncode)
+    assert summary["passed"], summary["verdict"]
+    assert (lorarl_cache / "data" / "token_share_v1_n1024" / "train.parquet").is_file()  # the generator wrote it
