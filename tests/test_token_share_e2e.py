@@ -86,6 +86,7 @@ def test_random_model_learns_token_share(lorarl_cache, random_models, tmp_path, 
         "trainer.device=cpu",
         f"trainer.total_steps={STEPS}",
         "trainer.check_sync_probe_freq=1",
+        f"trainer.test_freq={STEPS}",  # validation scores token ids too
         "actor.optim.lr=2e-3",
         "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=8",
@@ -94,6 +95,7 @@ def test_random_model_learns_token_share(lorarl_cache, random_models, tmp_path, 
     rows = metrics(run)
     assert len(rows) == STEPS and all(r["sync/kind"] == kind and r[fingerprint] == 1.0 for r in rows)
     assert learning_failures(rows) == []
+    assert 0.0 <= rows[-1]["val/token_share/reward/mean"] <= 1.0
     # The GPU shape runs' summary reads this run as they will read theirs.
     summary = summarise(step_rows(run / "metrics.jsonl"), samples_per_step(run), out.returncode)
     assert summary["passed"], summary["verdict"]
