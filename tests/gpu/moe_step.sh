@@ -11,8 +11,10 @@
 # Layers: LAYERS=32 of the real 48 by default. All 48 do not fit one H200 and its 64 GiB disk: the
 # bf16 model file is 61 GB, and trainer + vLLM each hold 1.16 GiB per layer plus 1.2 GiB of
 # embeddings (113 GiB for two 48-layer copies) beside the LoRA's fp32 weights, gradients and Adam
-# state (~0.2 GiB per layer at rank 16) and the update's activations. 32 layers: a 41 GB file,
-# 2 x 38.4 GiB of weights, ~35 GiB left for the update beside vLLM at gpu_memory_utilization 0.4.
+# state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters) and the update's activations. 32 layers:
+# a 41 GB file, 2 x 38.3 GiB of weights, ~35 GiB left for the update beside vLLM at
+# gpu_memory_utilization 0.4. LAYERS=40 GPU_UTIL=0.42 is the estimate's edge (a 51 GB file, ~25 GiB
+# for the update), not tried.
 # If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 32
 #   --device cuda --out $LORARL_CACHE/qwen3_30b_a3b_l32   (it is reused while the machine stays up).
 # Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
