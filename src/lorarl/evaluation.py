@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lorarl.rewards import GSM8K_SOURCES, get_reward_fn, gsm8k
+from lorarl.rewards import GSM8K_SOURCES, RESPONSE_IDS, get_reward_fn, gsm8k
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -80,16 +80,25 @@ def _lenient_or_verl(reward: Any, method: str) -> Scorer:
 
 
 def validation_metrics(
-    items: Sequence[Any], texts: Sequence[Sequence[str]], reward: Any, custom: str | None = None
+    items: Sequence[Any],
+    texts: Sequence[Sequence[str]],
+    reward: Any,
+    custom: str | None = None,
+    token_ids: Sequence[Sequence[list[int]]] | None = None,
 ) -> dict[str, float]:
     """All validation metrics for prompts `items` (PromptItem: data_source, ground_truth, extra_info)
     and their decoded samples `texts` (one list of n strings per item); `reward` is the config's
-    reward section, `custom` the data.reward_fn import path if any."""
+    reward section, `custom` the data.reward_fn import path if any. `token_ids`, shaped as `texts`,
+    reach the scorers under extra_info[RESPONSE_IDS], as in training."""
     if len(items) != len(texts):
         raise ValueError(f"{len(items)} prompts but {len(texts)} lists of responses")
+    if token_ids is not None and [len(t) for t in token_ids] != [len(t) for t in texts]:
+        raise ValueError("token_ids must hold one list of ids per response in texts")
     # Per source, per scorer name: one row of sample scores per prompt.
     table: dict[str, dict[str, list[list[float]]]] = {}
-    for item, samples in zip(items, texts):
+    for k, (item, samples) in enumerate(zip(items, texts)):
+        ids = token_ids[k] if token_ids is not None else [None] * len(samples)
+        infos = [item.extra_info if i is None else {**item.extra_info, RESPONSE_IDS: i} for i in ids]
         source = item.data_source
         scorers: dict[str, Scorer] = {"acc": get_reward_fn(source, custom, reward)}
         if source in GSM8K_SOURCES:
@@ -98,7 +107,7 @@ def validation_metrics(
             scorers["acc_verl_flexible"] = _verl_scorer("flexible")
         rows = table.setdefault(source, {})
         for name, fn in scorers.items():
-            rows.setdefault(name, []).append([float(fn(t, item.ground_truth, item.extra_info)) for t in samples])
+            rows.setdefault(name, []).append([float(fn(t, item.ground_truth, info)) for t, info in zip(samples, infos)])
     out: dict[str, float] = {}
     accs = []
     for source, rows in table.items():

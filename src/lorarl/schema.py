@@ -32,6 +32,8 @@ VLLM_LORA_UNSUPPORTED = ("lm_head", "embed_tokens")
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # model.builder -> the architecture lorarl.models.tiny builds for it.
 MODEL_BUILDERS = {"tiny_qwen2": "qwen2", "tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3_moe"}
+# data.generator values: embedded tasks whose parquet is written on first use (lorarl.data).
+DATA_GENERATORS = ("arith", "token_share")
 # The names the loss functions in lorarl.algorithms dispatch on.
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "gspo")
@@ -143,7 +145,7 @@ class DataConfig:
     # One parquet path or a list, as verl takes them (see lorarl.config.STRING_OR_LIST_KEYS).
     train_files: Any = MISSING
     val_files: Any = MISSING
-    # "arith": the files are written by the embedded task generator when missing.
+    # "arith" | "token_share": the files are written by that embedded task's generator when missing.
     generator: str | None = MISSING
     generator_size: int | None = MISSING
     train_batch_size: int = MISSING
@@ -165,7 +167,7 @@ class DataConfig:
             self.max_prompt_length > 0 and self.max_response_length > 0,
             "data.max_prompt_length and data.max_response_length must be > 0",
         )
-        one_of("data.generator", self.generator, (None, "arith"))
+        one_of("data.generator", self.generator, (None, *DATA_GENERATORS))
 
 
 @dataclass

@@ -80,12 +80,13 @@ def prepare_data(run: RunConfig) -> None:
     d = run.data
     d.train_files = [os.path.expanduser(f) for f in d.train_files]
     d.val_files = [os.path.expanduser(f) for f in d.val_files]
-    if d.generator == "arith":
-        from lorarl.data.dataset import ensure_arith_parquet
+    if d.generator is not None:
+        from lorarl.data import dataset, token_share
 
+        ensure = {"arith": dataset.ensure_arith_parquet, "token_share": token_share.ensure_parquet}[d.generator]
         if not d.val_files:
             d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+        ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -380,13 +381,11 @@ class GRPOTrainer:
         return groups, max(rollouts.seconds for rollouts in gen)
 
     def score(self, item, response_ids: list[int]) -> float:
-        return self.score_text(item, self.tokenizer.decode(response_ids, skip_special_tokens=True))
+        from lorarl.rewards import RESPONSE_IDS, get_reward_fn
 
-    def score_text(self, item, text: str) -> float:
-        from lorarl.rewards import get_reward_fn
-
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         fn = get_reward_fn(item.data_source, self.run.data.reward_fn, self.run.reward)
-        return float(fn(text, item.ground_truth, item.extra_info))
+        return float(fn(text, item.ground_truth, {**item.extra_info, RESPONSE_IDS: list(response_ids)}))
 
     def validate(self) -> dict:
         """Generate on data.val_files with rollout.val_kwargs; lorarl.evaluation turns the texts into metrics."""
@@ -404,12 +403,13 @@ class GRPOTrainer:
                 for i, shard in enumerate(shards)
             ],
         )
-        items, texts = [], []
+        items, texts, token_ids = [], [], []
         for shard, rollouts in zip(shards, gen):
             for item, samples in zip(shard, rollouts.token_ids):
                 items.append(item)
                 texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
-        out = validation_metrics(items, texts, self.run.reward, d.reward_fn)
+                token_ids.append([list(s) for s in samples])
+        out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids)
         out["timing/val"] = time.perf_counter() - t0
         return out
 

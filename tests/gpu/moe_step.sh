@@ -1,55 +1,61 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B-shaped GRPO steps with expert LoRA synced in memory, CUDA graphs on, the fingerprint
-# and the parity probe every step; then TRL's GRPOTrainer on the same model and batch.
+# Qwen3-30B-A3B-shaped GRPO run whose adapter moves: random weights with the real layer dims, the
+# token-share task (data=token_share: a reward a random model can climb), expert + attention LoRA
+# synced as an adapter in memory every step, CUDA graphs, the sync checks and the log-prob probe
+# every step, 20 steps. Then, optionally (TRL=1), TRL's GRPOTrainer on the same model (arith data).
 # On the GPU machine, from the repo root, after .vllmcarry/install.sh and install-extra.sh:
-#   bash tests/gpu/moe_step.sh        (LAYERS=16 STEPS=10 by default; fits one 9-minute call with TRL after it)
-# Off the GPU (the same script at CPU size, merged sync, no TRL): SHAPE=tiny bash tests/gpu/moe_step.sh
-# Writes to $OUT (default /tmp/moe_out): moe_step.log, moe_step.json (per step: timings and sync
-# metrics), and with TRL trl_moe.log, trl_moe.json. Extra Hydra overrides pass through.
+#   bash tests/gpu/moe_step.sh                                  the moving-adapter run
+#   TAG=expert_swap bash tests/gpu/moe_step.sh +trainer.sync_fault=expert_swap   an injected fault
+# Extra Hydra overrides pass through (after the script's own). TAG names the outputs.
+# Off the GPU (the same script at CPU size, merged sync, 12 steps): SHAPE=tiny bash tests/gpu/moe_step.sh
+# Layers: LAYERS=32 of the real 48 by default. All 48 do not fit one H200 and its 64 GiB disk: the
+# bf16 model file is 61 GB, and trainer + vLLM each hold 1.16 GiB per layer plus 1.2 GiB of
+# embeddings (113 GiB for two 48-layer copies) beside the LoRA's fp32 weights, gradients and Adam
+# state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters) and the update's activations. 32 layers:
+# a 41 GB file, 2 x 38.3 GiB of weights, ~35 GiB left for the update beside vLLM at
+# gpu_memory_utilization 0.4. LAYERS=40 GPU_UTIL=0.42 is the estimate's edge (a 51 GB file, ~25 GiB
+# for the update), not tried.
+# If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 32
+#   --device cuda --out $LORARL_CACHE/qwen3_30b_a3b_l32   (it is reused while the machine stays up).
+# Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
+# mean/std, grad_norm, sync checks, the probe's three numbers, timings; then the verdict: reward
+# rose, every sync check passed, adapter effect >= 10x the probe's noise; tests/gpu/shape_summary.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_out}; mkdir -p "$OUT"
+NAME=moe_step${TAG:+_$TAG}
 export LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
 PY=${PYTHON:-python3}
 if [ "${SHAPE:-gpu}" = tiny ]; then
   M=$LORARL_CACHE/qwen3_moe_shape_tiny
   $PY -m tests.gpu.moe_shaped_model --tiny --layers 2 --out "$M" || exit 1
-  ARGS=(model.dtype=float32 model.lora.merge=true data.train_batch_size=4 rollout.n=4 actor.ppo_mini_batch_size=4
-        actor.ppo_micro_batch_size_per_gpu=16 actor.use_dynamic_bsz=false data.max_response_length=8
-        model.enable_gradient_checkpointing=false trainer.total_steps=${STEPS:-2})
+  # vLLM's CPU build serves no LoRA on MoE layers: merged sync there (docs/moe.md).
+  ARGS=(model.dtype=float32 model.lora.merge=true data.train_batch_size=8 rollout.n=8 actor.ppo_mini_batch_size=8
+        actor.ppo_micro_batch_size_per_gpu=64 actor.use_dynamic_bsz=false model.enable_gradient_checkpointing=false
+        data.max_response_length=16 actor.optim.lr=${LR:-2e-3} trainer.total_steps=${STEPS:-12})
 else
-  M=$LORARL_CACHE/qwen3_30b_a3b_l${LAYERS:-16}
-  $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-16}" --device cuda --out "$M" || exit 1
-  ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=0.35
+  M=$LORARL_CACHE/qwen3_30b_a3b_l${LAYERS:-32}
+  $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-32}" --device cuda --out "$M" || exit 1
+  # lr 1e-4: on a random Qwen3-0.6B shape (H200, tests/gpu_logs/grpo_loop run6) it moved the probe's
+  # adapter effect from 0.026 to 0.13 in 4 steps against 0.007 of trainer-vLLM noise.
+  ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=${GPU_UTIL:-0.4}
         data.train_batch_size=${PROMPTS:-16} rollout.n=8 actor.ppo_mini_batch_size=${PROMPTS:-16}
-        data.max_response_length=128 trainer.total_steps=${STEPS:-10})
+        data.max_response_length=128 actor.optim.lr=${LR:-1e-4} trainer.total_steps=${STEPS:-20})
 fi
 RUN=/tmp/moe_run_$(date +%H%M%S)
-# Each part under its own time limit (metrics.jsonl is written every step, so a cut run keeps its steps).
-timeout ${LORARL_S:-330} $PY -m recipes.grpo +backend=fsdp model=qwen3_30b_a3b model.path="$M" data=arith "${ARGS[@]}" \
-  trainer.check_sync_probe_freq=1 trainer.logger=[console,jsonl] trainer.val_before_train=false \
-  trainer.test_freq=-1 hydra.run.dir=$RUN "$@" > "$OUT/moe_step.log" 2>&1
+# Under a time limit; metrics.jsonl is written every step, so a cut run keeps its steps.
+timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=fsdp model=qwen3_30b_a3b model.path="$M" model.builder=null \
+  data=token_share "${ARGS[@]}" trainer.check_sync_probe_freq=1 trainer.logger=[console,jsonl] \
+  trainer.val_before_train=false trainer.test_freq=-1 trainer.progress_bar=false hydra.run.dir=$RUN "$@" \
+  > "$OUT/$NAME.log" 2>&1
 RC=$?
-echo "lorarl rc=$RC log=$OUT/moe_step.log"
-$PY - "$RUN/metrics.jsonl" "$OUT/moe_step.json" "$M" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
-keep = ("step", "timing/", "sync/", "perf/", "reward/")
-steps = [{k: v for k, v in r.items() if k.startswith(keep)} for r in rows if "sync/kind" in r]
-info = json.load(open(sys.argv[3] + "/shaped_model.json"))
-# Step 0 is the validation row before training: no sync happened there.
-match = [s.get("sync/adapter_match", s.get("sync/weights_match")) for s in steps if s.get("step", 0) >= 1]
-json.dump({"model": info, "steps": steps, "all_synced_matched": bool(steps) and all(m == 1.0 for m in match)},
-          open(sys.argv[2], "w"), indent=1)
-for s in steps:
-    print({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()
-           if k in ("step", "timing/step", "timing/gen", "timing/train", "timing/sync", "sync/adapter_match",
-                    "sync/weights_match", "sync/logprob_diff_max", "sync/seconds")})
-PY
-if [ "${SHAPE:-gpu}" != tiny ] && [ "${TRL:-1}" = 1 ]; then
-  DATA=$(ls "$LORARL_CACHE"/data/arith_*/train.parquet | head -1)
+echo "lorarl rc=$RC log=$OUT/$NAME.log"
+$PY -m tests.gpu.shape_summary "$RUN" "$OUT/$NAME.json" --log "$OUT/$NAME.log" --rc $RC --model-info "$M/shaped_model.json"
+if [ "${SHAPE:-gpu}" != tiny ] && [ "${TRL:-0}" = 1 ]; then
+  DATA=$LORARL_CACHE/data/arith_v2_n1024
+  $PY -c "from lorarl.data.dataset import ensure_arith_parquet as e; e('$DATA/train.parquet', '$DATA/val.parquet', 1024, 0)"
   timeout ${TRL_S:-140} $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m tests.gpu.moe_trl_peer \
-    --model "$M" --train-parquet "$DATA" --steps ${TRL_STEPS:-4} --prompts ${PROMPTS:-16} --samples 8 --max-tokens 128 --device cuda --dtype bfloat16 \
-    --rank 16 --alpha 32 --lr 1e-5 --beta 0 --micro-batch 32 --vllm-gpu-memory-utilization 0.35 \
+    --model "$M" --train-parquet "$DATA/train.parquet" --steps ${TRL_STEPS:-4} --prompts ${PROMPTS:-16} --samples 8 --max-tokens 128 --device cuda --dtype bfloat16 \
+    --rank 16 --alpha 32 --lr 1e-5 --beta 0 --micro-batch 32 --vllm-gpu-memory-utilization ${GPU_UTIL:-0.4} \
     --max-model-len 512 --out "$OUT/trl_moe.json" > "$OUT/trl_moe.log" 2>&1
   echo "trl rc=$? log=$OUT/trl_moe.log"
 fi

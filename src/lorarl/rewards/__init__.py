@@ -1,6 +1,7 @@
 """Reward functions chosen by a row's data_source, or a user function given by import path.
 
-A reward function maps (solution_str, ground_truth, extra_info) to a float.
+A reward function maps (solution_str, ground_truth, extra_info) to a float. The trainer hands it the
+row's extra_info plus the response's token ids under RESPONSE_IDS, for rewards that score tokens.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lorarl.errors import ConfigError, DataError
-from lorarl.rewards import arith, gsm8k, math_answer
+from lorarl.rewards import arith, gsm8k, math_answer, token_share
 
 RewardFn = Callable[[str, str, "dict | None"], float]
+
+# The extra_info key under which the trainer passes the response's token ids (a list of ints).
+RESPONSE_IDS = "response_ids"
 
 # The data_source names each reward serves: verl's parquet names and ours.
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
@@ -47,11 +51,19 @@ def _arith(reward: Any) -> RewardFn:
     return fn
 
 
+def _token_share(reward: Any) -> RewardFn:
+    def fn(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
+        return token_share.score((extra_info or {}).get(RESPONSE_IDS), ground_truth)
+
+    return fn
+
+
 # data_source -> builder of its reward function from the `reward` config section.
 REGISTRY: dict[str, Callable[[Any], RewardFn]] = {
     **dict.fromkeys(GSM8K_SOURCES, _gsm8k),
     **dict.fromkeys(MATH_SOURCES, _math),
     "arith": _arith,
+    "token_share": _token_share,
 }
 
 
@@ -61,6 +73,7 @@ GROUND_TRUTH_PARSERS: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(GSM8K_SOURCES, gsm8k.parse_ground_truth),
     **dict.fromkeys(MATH_SOURCES, math_answer.parse_ground_truth),
     "arith": arith.parse_ground_truth,
+    "token_share": token_share.parse_ground_truth,
 }
 
 
@@ -108,7 +121,7 @@ def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = Non
     `reward` is the config's `reward` section (lorarl.config.RewardConfig); None means its defaults.
     A custom function takes verl's signature (data_source, solution_str, ground_truth,
     extra_info) so reward functions written for verl plug in unchanged; it may return a
-    number or a dict with a "score" entry.
+    number or a dict with a "score" entry. Its extra_info carries RESPONSE_IDS too.
     """
     if custom:
         user_fn = _load_custom(custom)
@@ -145,6 +158,7 @@ __all__ = [
     "GSM8K_SOURCES",
     "MATH_SOURCES",
     "REGISTRY",
+    "RESPONSE_IDS",
     "RewardFn",
     "check_items",
     "compute_score",
