@@ -40,8 +40,9 @@ def test_two_workers_share_one_engine_with_tensor_parallel_2(run_cache, tmp_path
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in [rows[0], *steps]:
-        key = "init/sync/adapter_match" if r["step"] == 0 else "sync/adapter_match"
-        assert r[key] == 1.0, r
+        prefix = "init/sync/" if r["step"] == 0 else "sync/"
+        # Exact bytes per rank; the semantic check adds both ranks' slices of each module.
+        assert r[prefix + "adapter_match"] == 1.0 and r[prefix + "adapter_meaning"] == 1.0, r
     # float32 on both sides: a probe sequence that the two ranks disagreed on read 6.6 here.
     assert all(r["sync/logprob_diff_max"] < 1e-3 for r in steps), [r["sync/logprob_diff_max"] for r in steps]
     assert steps_on_disk(run / "checkpoints") == [2]
