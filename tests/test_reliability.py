@@ -413,6 +413,16 @@ def test_missing_data_file(cache, tmp_path):
     assert_nothing_written(tmp_path / "run")
 
 
+def test_mistyped_data_path_with_the_default_preset_fails_and_writes_nothing(cache, tmp_path):
+    """The arith generator writes only into the lorarl cache: a path the user gives means that
+    file, so a typo is the one-line error (no toy data written there and trained on)."""
+    typo = tmp_path / "some" / "typo" / "train.parquet"
+    out = grpo(tmp_path / "run", cache, f"data.train_files={typo}")
+    error_line(out, "data.train_files", f"'{typo}'", "not found")
+    assert not typo.exists() and not (tmp_path / "some").exists()
+    assert_nothing_written(tmp_path / "run")
+
+
 def test_unreadable_parquet(cache, tmp_path, monkeypatch):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"this is not parquet")

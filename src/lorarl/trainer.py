@@ -77,15 +77,34 @@ def sampling_of(run: RunConfig) -> Sampling:
 
 
 def prepare_data(run: RunConfig) -> None:
+    """Expand the data paths and check that each file the run reads exists.
+
+    A generator (data.generator) writes its task only inside the lorarl cache, where its data
+    preset puts it: a path the user gives means that file, so a mistyped one fails here in one
+    line, before anything starts, and nothing is written there."""
+    from lorarl.config import cache_dir
+    from lorarl.errors import DataError
+
     d = run.data
     d.train_files = [os.path.expanduser(f) for f in d.train_files]
     d.val_files = [os.path.expanduser(f) for f in d.val_files]
-    if d.generator == "arith":
+    cache = Path(cache_dir()).absolute()
+    if d.generator == "arith" and Path(d.train_files[0]).absolute().is_relative_to(cache):
         from lorarl.data.dataset import ensure_arith_parquet
 
         if not d.val_files:
             d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+        if Path(d.val_files[0]).absolute().is_relative_to(cache):
+            ensure_arith_parquet(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+    read = [("data.train_files", d.train_files)] + ([("data.val_files", d.val_files)] if validation else [])
+    for key, files in read:
+        for file in files:
+            if not Path(file).is_file():
+                raise DataError(
+                    f"{key}: data file {file!r} not found; fix the path, or write the file with "
+                    f"scripts/prepare_gsm8k.py or scripts/prepare_math.py (docs/data.md)"
+                )
 
 
 def run(cfg: DictConfig) -> float | None:
