@@ -103,3 +103,21 @@ def test_sweep_summary_from_job_folders(tmp_path):
     lines = csv_path.read_text().strip().splitlines()
     assert lines[0].startswith("job,overrides,steps,final_reward,val_acc")
     assert lines[2].split(",")[3:5] == ["0.6", "0.7"]
+
+
+def test_drop_after_keeps_the_rows_up_to_a_resumed_step(tmp_path):
+    """A resumed run drops the rows of the steps it trains again (and a line cut short by a
+    kill), then appends: each step keeps one row."""
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {})
+    for step in (0, 0, 1, 2, 3):
+        t.log({"reward/mean": step / 10}, step)
+    t.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "rew')
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {})
+    t.drop_after(2)
+    t.log({"reward/mean": 0.31}, 3)
+    t.finish()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 0, 1, 2, 3] and rows[-1]["reward/mean"] == 0.31
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

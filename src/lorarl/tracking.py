@@ -70,6 +70,20 @@ class Tracker:
 
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
 
+    def drop_after(self, step: int) -> None:
+        """Remove the rows of steps after `step` from metrics.jsonl (and a line cut short by a
+        kill): a resumed run trains those steps again and logs them anew, so each step keeps one
+        row and the curves go on without a jump back."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        path = self.out_dir / "metrics.jsonl"
+        kept = [row for row in _rows(path.read_text()) if row.get("step", 0) <= step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row, default=_plain) + "\n" for row in kept))
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **metrics}
         if self._jsonl is not None:
@@ -101,6 +115,16 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rows(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # empty, or the last line of a process killed mid-write
+    return rows
 
 
 def _fmt(v: Any) -> str:

@@ -193,15 +193,21 @@ class GRPOTrainer:
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
-        if self.resume_from is not None:
+        resumed = self.resume_from is not None
+        if resumed:
             self.load_checkpoint(self.resume_from)
+            # The steps after the checkpoint run again: their rows from the stopped process go.
+            self.tracker.drop_after(self.step)
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False))
         startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
-        self.tracker.log(
-            {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}, step=0
-        )
+        startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
+        # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
+        # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
+        pending = startup_row if 0 < self.step < self.total_steps else {}
+        if not pending:
+            self.tracker.log(startup_row, step=self.step)
         say(
             f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
@@ -210,7 +216,7 @@ class GRPOTrainer:
             f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
             f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
-        if tc.val_before_train and self.val_items:
+        if tc.val_before_train and self.val_items and not resumed:
             self.tracker.log(self.validate(), step=0)
         last_reward = None
         bar = tqdm(
@@ -232,7 +238,8 @@ class GRPOTrainer:
                 raise type(err)(self._stopped_at(err)) from err
             if sync.sleep_plan:
                 say(f"step {self.step}: from the next step the {sync.sleep_plan}")
-            self.tracker.log(metrics, step=self.step)
+            self.tracker.log({**pending, **metrics}, step=self.step)
+            pending = {}
             last_reward = metrics["reward/mean"]
             bar.update(1)
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
