@@ -26,6 +26,30 @@ CONSOLE_KEYS = (
 )
 
 
+# trainer.logger value -> (the module it imports, the lorarl extra that installs it).
+LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """Each logger in trainer.logger can be imported, checked before anything starts: a missing
+    package is one line naming the extra that installs it, not a traceback at the first step."""
+    import importlib
+
+    from lorarl.errors import ConfigError
+
+    for name in loggers:
+        if name not in LOGGER_PACKAGES:
+            continue
+        module, extra = LOGGER_PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(
+                f"trainer.logger={name} needs the {module} package ({err}): pip install 'lorarl[{extra}]' "
+                f"(or pip install -e '.[{extra}]' in a checkout), or drop {name} from trainer.logger"
+            ) from err
+
+
 def console(show: Callable[[str], None]) -> Callable[[str], None]:
     """A line for the user: `show` puts it on the screen (tqdm.write keeps a progress bar whole)
     and the run's log file keeps it (conf/hydra/default.yaml gives this logger the file only)."""

@@ -27,7 +27,7 @@ from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
-from lorarl.tracking import Tracker, console, redact
+from lorarl.tracking import Tracker, check_loggers, console, redact
 
 
 def resolve_device(requested: str) -> str:
@@ -140,6 +140,7 @@ class GRPOTrainer:
             raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
         prepare_model(run)
         prepare_data(run)
+        check_loggers(run.trainer.logger)
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
         check_engine_kwargs(run)
