@@ -182,6 +182,7 @@ def test_resumed_run_logs_the_steps_of_an_uninterrupted_one(cache, tmp_path):
     steps an uninterrupted run logs, row for row, and the same rewards."""
     small = (
         "trainer.device=cpu", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
+        "actor.ppo_micro_batch_size_per_gpu=8",
         "trainer.val_before_train=true", "trainer.test_freq=2", "trainer.save_freq=2",
     )  # fmt: skip
     whole = grpo(tmp_path / "whole", cache, *small, "trainer.total_steps=4")
