@@ -53,7 +53,7 @@ def logged_keys(run_dir: Path) -> set[str]:
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     """If rollouts did not use the trained adapter, reward could not climb: this is the proof.
     The data files are given as verl's launches give them, one path as a string."""
-    data = cache / "data" / "arith_v2_n1024"
+    data = cache / "data" / "arith_v3_n1024"
     out = grpo(
         tmp_path / "run",
         cache,
