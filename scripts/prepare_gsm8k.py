@@ -1,7 +1,9 @@
 """Write GSM8K as verl-schema parquet: <out-dir>/train.parquet and <out-dir>/test.parquet.
 
-Offline:  python scripts/prepare_gsm8k.py --jsonl-dir /work/shared/data/gsm8k
-Online:   python scripts/prepare_gsm8k.py            (needs `pip install datasets` and network)
+Online:   python scripts/prepare_gsm8k.py --out-dir ~/data/gsm8k   (needs `pip install datasets` and network)
+Offline:  python scripts/prepare_gsm8k.py --jsonl-dir DIR --out-dir ~/data/gsm8k
+          DIR holds train.jsonl and test.jsonl, one {"question": ..., "answer": ...} object per line,
+          as in GSM8K's own release (the answer ends with a '#### N' line).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Qwen2-7B-Instruct GRPO with LoRA on GSM8K with the Megatron backend (megatron-core +
 # Megatron-Bridge LoRA): the preset conf/experiment/qwen2_7b_gsm8k_megatron.yaml plus the
-# environment knobs below (unset: the preset's value) and any Hydra overrides after them.
-# Needs: pip install -e '.[megatron,gpu]' (Python 3.12). Prepare data as for the FSDP script.
-# Usage: [TP=2] [PP=1] [NGPUS=2] [MODEL_PATH=...] [DATA_DIR=...] [LORA_RANK=64] [LR=3e-6] \
+# environment variables below and any Hydra overrides after them. MODEL_PATH and DATA_DIR are
+# required; an unset knob keeps the preset's value.
+# Needs: pip install -e '.[megatron,gpu]' (Python 3.12). Prepare data as for the FSDP scripts (docs/gpu.md).
+# Usage: [TP=2] [PP=1] [NGPUS=2] MODEL_PATH=... DATA_DIR=... [LORA_RANK=64] [LR=3e-6] \
 #        bash scripts/run_qwen2_7b_grpo_lora_megatron.sh [hydra overrides...]
 set -euo pipefail
 source "$(dirname "$0")/_python.sh"
 
-knob MODEL_PATH model.path
+model_path_knob Qwen/Qwen2-7B-Instruct
 data_dir_knob
 knob NGPUS trainer.n_gpus_per_node
 knob TP backend.tensor_model_parallel_size

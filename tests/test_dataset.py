@@ -234,7 +234,7 @@ def test_loader_errors():
 def test_ensure_arith_parquet_writes_once(tmp_path):
     train, val = ensure_arith_parquet(tmp_path / "arith" / "train.parquet", tmp_path / "arith" / "val.parquet", 12, 1)
     train_rows, val_rows = load_rows(train), load_rows(val)
-    assert train_rows == make_rows(12, 1, "train")
+    assert train_rows == make_rows(12, 1, "train", pool="train")
     assert val_rows == held_out_rows() and {r["extra_info"]["split"] for r in val_rows} == {"test"}
     mtime = os.stat(train).st_mtime_ns
     assert ensure_arith_parquet(train, val, 12, 1) == (train, val)
@@ -251,6 +251,23 @@ def test_arith_held_out_pairs_are_never_in_the_warmup():
     }
     assert drawn <= {(question(a, b), str(a + b)) for a, b in warm}
     assert {r["prompt"][0]["content"] for r in held_out_rows()} == {question(a, b) for a, b in held}
+
+
+def test_default_task_validation_prompts_are_not_training_prompts(tmp_path):
+    """The default run's files, as the generator writes them: no validation prompt is a training
+    prompt, so held-out accuracy measures sums GRPO never trained on."""
+    from lorarl.config import compose
+
+    cfg = compose(["+backend=fsdp"])
+    train, val = ensure_arith_parquet(
+        tmp_path / "train.parquet", tmp_path / "val.parquet", cfg.data.generator_size, seed=0
+    )
+    train_prompts = {r["prompt"][0]["content"] for r in load_rows(train)}
+    val_prompts = [r["prompt"][0]["content"] for r in load_rows(val)]
+    assert len(val_prompts) == len(set(val_prompts)) == 40
+    assert not train_prompts & set(val_prompts), sorted(train_prompts & set(val_prompts))[:5]
+    every = {question(a, b) for a in range(10) for b in range(10)}
+    assert train_prompts | set(val_prompts) == every  # every other sum is trained on
 
 
 def test_prompt_batches_are_the_trainers_batches(tokenizer, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def logged_keys(run_dir: Path) -> set[str]:
 def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     """If rollouts did not use the trained adapter, reward could not climb: this is the proof.
     The data files are given as verl's launches give them, one path as a string."""
-    data = cache / "data" / "arith_v2_n1024"
+    data = cache / "data" / "arith_v3_n1024"
     out = grpo(
         tmp_path / "run",
         cache,
@@ -172,6 +173,41 @@ def test_two_ranks_with_parity_probe_and_dummy_base(cache, tmp_path):
     assert [r["sync/kind"] for r in rows] == ["adapter"] * 3
     assert max(r["sync/logprob_diff_max"] for r in rows) < 1e-3
     assert rows[0]["sync/bytes"] < lines[0]["init/sync/bytes"] / 10
+
+
+def test_resumed_run_logs_the_steps_of_an_uninterrupted_one(cache, tmp_path):
+    """A run stopped after step 3 whose newest checkpoint is step 2, relaunched in its folder: the
+    rows of step 3 go (the step runs again), the validation before training is not repeated, and
+    the resumed process's start-up is logged with its first step. metrics.jsonl then holds the
+    steps an uninterrupted run logs, row for row, and the same rewards."""
+    small = (
+        "trainer.device=cpu", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+        "trainer.val_before_train=true", "trainer.test_freq=2", "trainer.save_freq=2",
+    )  # fmt: skip
+    whole = grpo(tmp_path / "whole", cache, *small, "trainer.total_steps=4")
+    assert whole.returncode == 0, whole.stderr[-5000:]
+    first = grpo(tmp_path / "stopped", cache, *small, "trainer.total_steps=3")
+    assert first.returncode == 0, first.stderr[-5000:]
+    shutil.rmtree(tmp_path / "stopped" / "checkpoints" / "global_step_3")  # stopped before its checkpoint
+    again = grpo(tmp_path / "stopped", cache, *small, "trainer.total_steps=4")
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert "at step 2" in again.stdout
+
+    def rows(run: str) -> list[dict]:
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    expected, got = rows("whole"), rows("stopped")
+    assert [r["step"] for r in expected] == [0, 0, 1, 2, 3, 4]
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    assert [("val/acc" in r, "reward/mean" in r) for r in got] == [
+        ("val/acc" in r, "reward/mean" in r) for r in expected
+    ]
+    for want, have in zip(expected, got):
+        for key in ("reward/mean", "val/acc"):
+            if key in want:
+                assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (want["step"], key)
+    assert "init/sync/kind" in got[4] and got[4]["step"] == 3  # the relaunch's start-up, with its first step
 
 
 def test_multirun_folders_and_summary(cache, tmp_path):

@@ -413,6 +413,16 @@ def test_missing_data_file(cache, tmp_path):
     assert_nothing_written(tmp_path / "run")
 
 
+def test_mistyped_data_path_with_the_default_preset_fails_and_writes_nothing(cache, tmp_path):
+    """The arith generator writes only into the lorarl cache: a path the user gives means that
+    file, so a typo is the one-line error (no toy data written there and trained on)."""
+    typo = tmp_path / "some" / "typo" / "train.parquet"
+    out = grpo(tmp_path / "run", cache, f"data.train_files={typo}")
+    error_line(out, "data.train_files", f"'{typo}'", "not found")
+    assert not typo.exists() and not (tmp_path / "some").exists()
+    assert_nothing_written(tmp_path / "run")
+
+
 def test_unreadable_parquet(cache, tmp_path, monkeypatch):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"this is not parquet")
@@ -631,6 +641,7 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     assert newest >= 2 and steps == list(range(1, newest + 1)), (steps, line)
 
     (run / "checkpoints" / f"global_step_{newest}" / "adapter" / "adapter_model.safetensors").unlink()
+    killed_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     again = grpo(run, cache, "trainer.save_freq=1", f"trainer.total_steps={newest + 1}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'global_step_{newest - 1}'} at step {newest - 1}" in again.stdout
@@ -638,13 +649,16 @@ def test_killed_worker_ends_the_run_and_a_truncated_checkpoint_is_skipped_on_res
     # Both sync checks run in the resumed process too: the probe is armed on its first step (and
     # runs on its last), whatever trainer.check_sync_probe_freq says about the steps between.
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed = max(i for i, r in enumerate(rows) if "init/sync/kind" in r)  # the relaunch's first sync
-    after = [r for r in rows[resumed + 1 :] if "reward/mean" in r]
+    # The relaunch's start-up is logged with its first step; the killed run's row of the step it
+    # repeats is gone, so each step has one row.
+    resumed = max(i for i, r in enumerate(rows) if "init/sync/kind" in r)
+    after = [r for r in rows[resumed:] if "reward/mean" in r]
     assert [r["step"] for r in after] == [newest, newest + 1], after
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, newest + 2))
     assert all(r["sync/adapter_match"] == 1.0 and "sync/logprob_diff_max" in r for r in after), after
     # The repeated step is the step the killed run took (its row is logged after its checkpoint):
     # model, optimizer, data order and sampling seeds all come back.
-    before = next(r for r in rows[:resumed] if r.get("step") == newest and "reward/mean" in r)
+    before = next(r for r in killed_rows if r.get("step") == newest and "reward/mean" in r)
     for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert after[0][key] == pytest.approx(before[key], rel=1e-5, abs=1e-7), key
     assert_described({k for r in rows for k in r}, "a resumed run with checkpoints")

@@ -33,10 +33,31 @@ def skip_without_its_algorithm(preset: str) -> None:
             pytest.skip(f"conf/algorithm/{algo}.yaml is not in this tree")
 
 
+# The model and data location a GPU launch script requires (it refuses to start without them).
+LOCATIONS = {"MODEL_PATH": "/models/qwen", "DATA_DIR": "/data/gsm8k"}
+
+
+def needs_locations(script: Path) -> bool:
+    return "model_path_knob" in script.read_text()
+
+
+def location_overrides(script: Path) -> list[str]:
+    if not needs_locations(script):
+        return []
+    data = LOCATIONS["DATA_DIR"]
+    return [
+        f"model.path={LOCATIONS['MODEL_PATH']}",
+        f"data.train_files=[{data}/train.parquet]",
+        f"data.val_files=[{data}/test.parquet]",
+    ]
+
+
 def dry_run(script: Path, cwd: Path, *args: str, **knobs: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in KNOB_VARS}
     # A sweep's comma lists only expand under multirun; single values let Hydra print the job config.
-    env.update(PYTHON=sys.executable, RANKS="8", LRS="1e-3", **knobs)
+    env.update(PYTHON=sys.executable, RANKS="8", LRS="1e-3", **LOCATIONS)
+    env.update(knobs)
+    env = {k: v for k, v in env.items() if v is not None}
     return subprocess.run(
         ["bash", str(script), *args, "--cfg", "job"], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
     )
@@ -69,8 +90,9 @@ def test_script_dry_run(script, tmp_path):
 
 @pytest.mark.parametrize("script", WRAPPERS, ids=lambda p: p.name)
 def test_wrapper_is_its_preset_plus_knobs(script, tmp_path):
-    """No knob set: the script's config is the preset's, key for key. Its exec line names the
-    preset and nothing else: every other value comes from a knob or from "$@"."""
+    """No optional knob set: the script's config is the preset's with the model and data location
+    it requires, key for key. Its exec line names the preset and nothing else: every other value
+    comes from a knob or from "$@"."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -85,10 +107,19 @@ def test_wrapper_is_its_preset_plus_knobs(script, tmp_path):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            expected = compose("grpo", overrides=[f"+experiment={preset}"])
+            expected = compose("grpo", overrides=[f"+experiment={preset}", *location_overrides(script)])
     finally:
         GlobalHydra.instance().clear()
     assert OmegaConf.to_container(OmegaConf.create(out.stdout)) == OmegaConf.to_container(expected)
+
+
+@pytest.mark.parametrize("script", [s for s in WRAPPERS if needs_locations(s)], ids=lambda p: p.name)
+@pytest.mark.parametrize("var", ["MODEL_PATH", "DATA_DIR"])
+def test_gpu_script_without_its_model_or_data_location_says_which(script, var, tmp_path):
+    out = dry_run(script, tmp_path, **{var: None})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"error: {var} is not set: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "docs/gpu.md" in out.stderr
 
 
 def test_knobs_become_overrides(tmp_path):

@@ -125,13 +125,13 @@ def seen_rows() -> list[dict]:
 
 
 def test_warmup_makes_the_policy_partly_right(hf_model, tiny_tokenizer, tiny_model_path: Path):
-    # Measured for 60 warm-up steps (seed 0, greedy): 37% of the 60 pairs the warm-up saw, 7.5% of
-    # the 40 it never saw (seed 1: 57% and 15%). GRPO needs groups neither all right nor all wrong,
-    # and room above the start: the default run takes the held-out pairs to 40-50%.
+    # Measured for 60 warm-up steps (seed 0, greedy): 17% of the 60 pairs the warm-up saw, 15% of
+    # the 40 held-out ones (each the mirror of a seen pair). GRPO needs groups neither all right nor
+    # all wrong, and room above the start: the default run takes the held-out pairs to 0.3-0.45.
     acc = tiny.greedy_accuracy(hf_model, tiny_tokenizer, seen_rows())
     held_out = tiny.greedy_accuracy(hf_model, tiny_tokenizer, arith.held_out_rows())
-    assert 0.2 <= acc <= 0.7, acc
-    assert held_out < acc, (held_out, acc)
+    assert 0.1 <= acc <= 0.7, acc
+    assert 0.05 <= held_out <= 0.3, held_out
     info = build_info(tiny_model_path)
     assert info["greedy_accuracy_warmup_pairs"] == pytest.approx(acc, abs=0.03)
     assert info["greedy_accuracy_held_out"] == pytest.approx(held_out, abs=0.03)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -103,3 +104,51 @@ def test_sweep_summary_from_job_folders(tmp_path):
     lines = csv_path.read_text().strip().splitlines()
     assert lines[0].startswith("job,overrides,steps,final_reward,val_acc")
     assert lines[2].split(",")[3:5] == ["0.6", "0.7"]
+
+
+def test_drop_after_keeps_the_rows_up_to_a_resumed_step(tmp_path):
+    """A resumed run drops the rows of the steps it trains again (and a line cut short by a
+    kill), then appends: each step keeps one row."""
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {})
+    for step in (0, 0, 1, 2, 3):
+        t.log({"reward/mean": step / 10}, step)
+    t.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "rew')
+    t = Tracker(["jsonl"], tmp_path, "p", "e", {})
+    t.drop_after(2)
+    t.log({"reward/mean": 0.31}, 3)
+    t.finish()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 0, 1, 2, 3] and rows[-1]["reward/mean"] == 0.31
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_tensorboard_logger_writes_the_scalars(tmp_path):
+    """trainer.logger=tensorboard after `pip install 'lorarl[tensorboard]'` (the test extra has it):
+    the event file holds every numeric metric at its step, read back with tensorboard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracker(["tensorboard"], tmp_path, "p", "e", {})
+    for step in (1, 2):
+        t.log({"reward/mean": step / 4, "sync/kind": "adapter"}, step)
+    t.finish()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["reward/mean"]
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_a_logger_without_its_package_names_the_extra(logger, monkeypatch):
+    """The package is made unimportable (None in sys.modules is Python's own marker for that)."""
+    from lorarl.errors import ConfigError
+    from lorarl.tracking import check_loggers
+
+    check_loggers(["console", "jsonl", logger])  # installed: no error
+    monkeypatch.setitem(sys.modules, logger, None)
+    with pytest.raises(ConfigError) as err:
+        check_loggers(["console", "jsonl", logger])
+    line = str(err.value)
+    assert "\n" not in line
+    assert f"trainer.logger={logger} needs the {logger} package" in line and f"pip install 'lorarl[{logger}]'" in line

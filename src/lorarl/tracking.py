@@ -26,6 +26,30 @@ CONSOLE_KEYS = (
 )
 
 
+# trainer.logger value -> (the module it imports, the lorarl extra that installs it).
+LOGGER_PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """Each logger in trainer.logger can be imported, checked before anything starts: a missing
+    package is one line naming the extra that installs it, not a traceback at the first step."""
+    import importlib
+
+    from lorarl.errors import ConfigError
+
+    for name in loggers:
+        if name not in LOGGER_PACKAGES:
+            continue
+        module, extra = LOGGER_PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(
+                f"trainer.logger={name} needs the {module} package ({err}): pip install 'lorarl[{extra}]' "
+                f"(or pip install -e '.[{extra}]' in a checkout), or drop {name} from trainer.logger"
+            ) from err
+
+
 def console(show: Callable[[str], None]) -> Callable[[str], None]:
     """A line for the user: `show` puts it on the screen (tqdm.write keeps a progress bar whole)
     and the run's log file keeps it (conf/hydra/default.yaml gives this logger the file only)."""
@@ -70,6 +94,20 @@ class Tracker:
 
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
 
+    def drop_after(self, step: int) -> None:
+        """Remove the rows of steps after `step` from metrics.jsonl (and a line cut short by a
+        kill): a resumed run trains those steps again and logs them anew, so each step keeps one
+        row and the curves go on without a jump back."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        path = self.out_dir / "metrics.jsonl"
+        kept = [row for row in _rows(path.read_text()) if row.get("step", 0) <= step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row, default=_plain) + "\n" for row in kept))
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **metrics}
         if self._jsonl is not None:
@@ -101,6 +139,16 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rows(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # empty, or the last line of a process killed mid-write
+    return rows
 
 
 def _fmt(v: Any) -> str:

@@ -27,7 +27,7 @@ from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
 from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
-from lorarl.tracking import Tracker, console, redact
+from lorarl.tracking import Tracker, check_loggers, console, redact
 
 
 def resolve_device(requested: str) -> str:
@@ -77,16 +77,35 @@ def sampling_of(run: RunConfig) -> Sampling:
 
 
 def prepare_data(run: RunConfig) -> None:
+    """Expand the data paths and check that each file the run reads exists.
+
+    A generator (data.generator) writes its task only inside the lorarl cache, where its data
+    preset puts it: a path the user gives means that file, so a mistyped one fails here in one
+    line, before anything starts, and nothing is written there."""
+    from lorarl.config import cache_dir
+    from lorarl.errors import DataError
+
     d = run.data
     d.train_files = [os.path.expanduser(f) for f in d.train_files]
     d.val_files = [os.path.expanduser(f) for f in d.val_files]
-    if d.generator is not None:
+    cache = Path(cache_dir()).absolute()
+    if d.generator is not None and Path(d.train_files[0]).absolute().is_relative_to(cache):
         from lorarl.data import dataset, token_share
 
         ensure = {"arith": dataset.ensure_arith_parquet, "token_share": token_share.ensure_parquet}[d.generator]
         if not d.val_files:
             d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+        if Path(d.val_files[0]).absolute().is_relative_to(cache):
+            ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+    read = [("data.train_files", d.train_files)] + ([("data.val_files", d.val_files)] if validation else [])
+    for key, files in read:
+        for file in files:
+            if not Path(file).is_file():
+                raise DataError(
+                    f"{key}: data file {file!r} not found; fix the path, or write the file with "
+                    f"scripts/prepare_gsm8k.py or scripts/prepare_math.py (docs/data.md)"
+                )
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -122,6 +141,7 @@ class GRPOTrainer:
             raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
         prepare_model(run)
         prepare_data(run)
+        check_loggers(run.trainer.logger)
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
         check_engine_kwargs(run)
@@ -175,15 +195,21 @@ class GRPOTrainer:
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
-        if self.resume_from is not None:
+        resumed = self.resume_from is not None
+        if resumed:
             self.load_checkpoint(self.resume_from)
+            # The steps after the checkpoint run again: their rows from the stopped process go.
+            self.tracker.drop_after(self.step)
             say(f"resumed from {self.resume_from} at step {self.step}")
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False))
         startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
-        self.tracker.log(
-            {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}, step=0
-        )
+        startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
+        # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
+        # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
+        pending = startup_row if 0 < self.step < self.total_steps else {}
+        if not pending:
+            self.tracker.log(startup_row, step=self.step)
         say(
             f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
@@ -192,7 +218,7 @@ class GRPOTrainer:
             f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
             f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
-        if tc.val_before_train and self.val_items:
+        if tc.val_before_train and self.val_items and not resumed:
             self.tracker.log(self.validate(), step=0)
         last_reward = None
         bar = tqdm(
@@ -214,7 +240,8 @@ class GRPOTrainer:
                 raise type(err)(self._stopped_at(err)) from err
             if sync.sleep_plan:
                 say(f"step {self.step}: from the next step the {sync.sleep_plan}")
-            self.tracker.log(metrics, step=self.step)
+            self.tracker.log({**pending, **metrics}, step=self.step)
+            pending = {}
             last_reward = metrics["reward/mean"]
             bar.update(1)
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)

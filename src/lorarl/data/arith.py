@@ -3,10 +3,11 @@
 Rows follow verl's GSM8K parquet schema so the same loader, reward registry and
 validation code serve both this task and real data sets.
 
-The 100 problems a + b (a, b in 0..9) are split once, with a fixed seed, into the pairs the
-tiny model's supervised warm-up sees and held-out pairs it never sees. GRPO trains on all
-100; validation asks each held-out pair once, so what it measures is what RL taught, not
-what the warm-up already knew.
+The 100 problems a + b (a, b in 0..9) are split once, with a fixed seed, into 40 held-out
+problems and the 60 others. A held-out problem is a + b with a != b whose mirror b + a is not
+held out: the tiny model's supervised warm-up and GRPO see only the 60 others, and validation
+asks each held-out problem once. No validation prompt is ever trained on; what validation
+measures is whether what GRPO teaches on b + a carries over to the unseen a + b.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import random
 DATA_SOURCE = "arith"
 INSTRUCTION = "Answer with the number only."
 # Bump when the split or the pools below change: the data folder carries it, so stale parquet is never reused.
-TASK_VERSION = 2
+TASK_VERSION = 3
 N_HELD_OUT = 40
-POOLS = ("all", "warmup", "heldout")
+HELD_OUT_SEED = "mirror"
+POOLS = ("all", "warmup", "train", "heldout")
 
 
 def question(a: int, b: int) -> str:
@@ -26,16 +28,23 @@ def question(a: int, b: int) -> str:
 
 
 def pairs(pool: str = "all", max_operand: int = 9) -> list[tuple[int, int]]:
-    """The (a, b) pairs of one pool: all of them, the warm-up's, or the held-out ones (disjoint)."""
+    """The (a, b) pairs of one pool: all of them, the warm-up's, GRPO's training pairs (the same
+    pairs: every one that is not held out), or the held-out ones (disjoint from both)."""
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r} is unknown; use one of {', '.join(POOLS)}")
     every = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     if pool == "all":
         return every
-    shuffled = every[:]
-    random.Random("arith-heldout").shuffle(shuffled)
-    held = set(shuffled[:N_HELD_OUT])
+    held = _held_out(max_operand)
     return [p for p in every if (p in held) == (pool == "heldout")]
+
+
+def _held_out(max_operand: int) -> set[tuple[int, int]]:
+    """N_HELD_OUT unordered pairs {a, b}, a != b, each held out in one order picked at random."""
+    rng = random.Random(HELD_OUT_SEED)
+    unordered = [(a, b) for a in range(max_operand + 1) for b in range(a + 1, max_operand + 1)]
+    rng.shuffle(unordered)
+    return {(a, b) if rng.random() < 0.5 else (b, a) for a, b in unordered[:N_HELD_OUT]}
 
 
 def row(a: int, b: int, split: str, index: int) -> dict:

@@ -235,8 +235,8 @@ def ensure_arith_parquet(
     seed: int,
 ) -> tuple[str, str]:
     """Write the synthetic task's parquet at the configured paths if missing: `n_train` problems
-    drawn from all pairs for training, and each pair the tiny model's warm-up never saw once for
-    validation (lorarl.data.arith).
+    drawn from the training pairs, and each held-out pair once for validation; the two share no
+    prompt (lorarl.data.arith).
 
     The config puts the size and task version in the folder name, so a changed task never reuses stale files.
     """
@@ -245,7 +245,7 @@ def ensure_arith_parquet(
     train = Path(os.path.expanduser(str(train_path)))
     val = Path(os.path.expanduser(str(val_path)))
     if not train.is_file():
-        write_parquet(make_rows(n_train, seed, "train"), train)
+        write_parquet(make_rows(n_train, seed, "train", pool="train"), train)
     if not val.is_file():
         write_parquet(held_out_rows(), val)
     return str(train), str(val)

@@ -7,7 +7,7 @@ TE code. TransformerEngine has no binary wheel on PyPI, so on machines without i
 lets the import succeed: every attribute is a placeholder class that cannot be instantiated
 (calling one raises, so a TE code path can never run silently).
 
-Recipe as measured on the H200 (shared/ENVIRONMENT.md, "Megatron on the GPU machine"):
+Recipe as measured on an H200:
 import megatron-core (and peft) first, so their own optional-TE checks see no TE; install
 the stand-in; import Megatron-Bridge; set `megatron.bridge.peft.utils.HAVE_TE = False`.
 Used only when the real package is missing and the local spec is chosen.
