@@ -93,7 +93,7 @@ def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Where benchmark models live: --cache, else $LORARL_CACHE, else ~/.cache/lorarl."""
     if explicit:
         return Path(explicit).expanduser().absolute()
-    from lorarl.schema import cache_dir as lorarl_cache
+    from lorarl.config.schema import cache_dir as lorarl_cache
 
     return Path(lorarl_cache()).absolute()
 
@@ -206,9 +206,9 @@ def write_json(path: Path, obj) -> None:
 
 
 def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
-    """One PPO update as the worker runs it (lorarl.ppo.ppo_update) on an engine built from `run`
+    """One PPO update as the worker runs it (lorarl.algorithms.ppo.ppo_update) on an engine built from `run`
     on `device` (either engine: the Megatron one keeps only its own config groups)."""
-    from lorarl.ppo import Correction, ppo_update
+    from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
     correction = Correction.of(run.algorithm.rollout_correction, device.type)

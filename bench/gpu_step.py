@@ -238,7 +238,7 @@ def last_setting_wins(overrides: list[str]) -> list[str]:
 def compose_run(backend: str, overrides: list[str], cache: Path):
     """The RunConfig `python -m recipes.grpo +backend=<backend> <overrides>` runs (lorarl's own composer)."""
     os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in conf/data/arith.yaml reads it
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     return compose([f"+backend={backend}", *overrides])
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
 from bench.step_report import mfu, param_count
-from lorarl.batch import build_batch
-from lorarl.config import compose
+from lorarl.algorithms.batch import build_batch
+from lorarl.config.compose import compose
 from lorarl.engines.fsdp import FSDPEngine
 
 # Variant tokens that are not Hydra overrides: they change the built engine.

@@ -13,7 +13,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import lorarl.config  # noqa: F401  (registers the schemas before Hydra composes)
+import lorarl.config.compose  # noqa: F401  (registers the schemas before Hydra composes)
 from lorarl.errors import LorarlError
 
 

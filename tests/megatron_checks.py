@@ -1,12 +1,15 @@
 """The Megatron checks as a run gets them, for tests that vary one LoRA or backend setting: each
-group's own (lorarl.schema, lorarl.schema_backends), the cross-group ones (lorarl.config.validate)
-and the model's shape (lorarl.config.check_model_shape)."""
+group's own (lorarl.config.schema, lorarl.config.backends), the cross-group ones (lorarl.config.validate)
+and the model's shape (lorarl.config.validate.check_model_shape)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from lorarl.config import LoraConfig, MegatronBackendConfig, check_model_shape, compose, load_group, validate
+from lorarl.config.backends import MegatronBackendConfig
+from lorarl.config.compose import compose, load_group
+from lorarl.config.schema import LoraConfig
+from lorarl.config.validate import check_model_shape, validate
 
 LORA = {
     "rank": 8,

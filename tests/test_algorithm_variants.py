@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lorarl import algorithms as A
-from lorarl.config import compose
+from lorarl.algorithms import advantages, losses
+from lorarl.config.compose import compose
 from lorarl.errors import ConfigError
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
@@ -17,11 +17,11 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
 def test_seq_mean_token_sum_norm_divides_by_one_constant():
     loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
     # sums 6 and 4 over both sequences, / 4 (the norm length), no mean over sequences: 10 / 4
-    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(2.5)
+    assert losses.agg_loss(loss, MASK, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(2.5)
     # with a global denominator (the constant / dp_size, here 1 rank): the same
-    assert A.agg_loss(loss, MASK, "seq-mean-token-sum-norm", denom=4.0, norm_len=4).item() == pytest.approx(2.5)
+    assert losses.agg_loss(loss, MASK, "seq-mean-token-sum-norm", denom=4.0, norm_len=4).item() == pytest.approx(2.5)
     # seq-mean-token-sum would favour neither length either, but does not divide: (6 + 4) / 2
-    assert A.agg_loss(loss, MASK, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    assert losses.agg_loss(loss, MASK, "seq-mean-token-sum").item() == pytest.approx(5.0)
 
 
 def test_gspo_ratio_is_one_per_sequence_length_normalised():
@@ -30,7 +30,7 @@ def test_gspo_ratio_is_one_per_sequence_length_normalised():
     logp = torch.tensor([[math.log(2.0), 0.0, -math.log(2.0), 5.0], [math.log(1.5), 5.0, 5.0, 5.0]])
     logp.requires_grad_(True)
     adv = torch.tensor([1.0, 1.0])
-    loss, m = A.policy_loss(
+    loss, m = losses.policy_loss(
         logp,
         old,
         adv,
@@ -54,16 +54,16 @@ def test_vanilla_loss_unchanged_by_unit_weights():
     logp = torch.tensor([[0.1, -0.2, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0]])
     old = torch.zeros(2, 4)
     adv = torch.tensor([1.0, -1.0])
-    a, _ = A.policy_loss(logp, old, adv, MASK)
-    b, _ = A.policy_loss(logp, old, adv, MASK, weights=torch.ones(2, 4))
+    a, _ = losses.policy_loss(logp, old, adv, MASK)
+    b, _ = losses.policy_loss(logp, old, adv, MASK, weights=torch.ones(2, 4))
     assert a.item() == b.item()
 
 
 def test_overlong_penalty_and_group_filter():
     # max 100, buffer 20: free up to 80, then linear to -1 at 100
-    assert A.overlong_penalty(80, 100, 20, 1.0) == 0.0
-    assert A.overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
-    assert A.overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
+    assert advantages.overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert advantages.overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert advantages.overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
     from lorarl.trainer import PromptGroup
 
     groups = [PromptGroup(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
@@ -137,7 +137,7 @@ def test_dapo_sampling_keys_are_checked():
 
 
 def test_auto_importance_weights_are_token_tis_on_cuda_only():
-    from lorarl.rollout_correction import resolve_is_level
+    from lorarl.algorithms.rollout_correction import resolve_is_level
 
     assert resolve_is_level("auto", "cuda", bypass_mode=False) == "token"
     assert resolve_is_level("auto", "cpu", bypass_mode=False) is None  # the CPU default run is unchanged
@@ -147,7 +147,7 @@ def test_auto_importance_weights_are_token_tis_on_cuda_only():
 
 
 def test_rollout_correction_by_hand():
-    from lorarl import rollout_correction as RC
+    from lorarl.algorithms import rollout_correction as RC
 
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     rollout = torch.zeros(1, 3)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from lorarl.algorithms import (
+from lorarl.algorithms.advantages import grpo_advantages
+from lorarl.algorithms.losses import (
     agg_loss,
     entropy_from_logits,
-    grpo_advantages,
     kl_penalty,
     logprobs_and_entropy,
     masked_mean,
@@ -16,7 +16,7 @@ from lorarl.algorithms import (
     policy_loss,
     token_logprobs,
 )
-from lorarl.config import compose
+from lorarl.config.compose import compose
 from lorarl.errors import ConfigError
 
 T = torch.tensor

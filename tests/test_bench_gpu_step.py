@@ -117,7 +117,7 @@ def test_a_variant_runs_as_its_own_lorarl_arm_and_never_changes_the_algorithm(tm
 
 def _rc(correction: str, rs_threshold: str = "2.0"):
     """lorarl's correction config as the bench's overrides compose it."""
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     overrides = lorarl_correction_overrides(correction)
     if any(o.startswith("algorithm.rollout_correction.rollout_rs=") and not o.endswith("=null") for o in overrides):

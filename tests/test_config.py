@@ -15,8 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-import lorarl.config  # noqa: F401  (registers schemas)
-from lorarl.config import FSDPBackendConfig, MegatronBackendConfig, to_run_config
+import lorarl.config.compose  # noqa: F401  (registers schemas)
+from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
+from lorarl.config.compose import to_run_config
 from lorarl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,11 +141,11 @@ def _schema_values(schema: type, prefix: str = "") -> dict:
 
 
 def test_schemas_hold_no_values_the_yaml_holds_them_all(hydra_compose):
-    """One source of defaults: a value written in a schema (lorarl.schema) competes with its YAML
+    """One source of defaults: a value written in a schema (lorarl.config.schema) competes with its YAML
     group; every schema key is MISSING there, and the default composition sets every one."""
-    from lorarl.schema import GRPOConfig
-    from lorarl.schema_backends import FSDPBackendConfig as F
-    from lorarl.schema_backends import MegatronBackendConfig as M
+    from lorarl.config.backends import FSDPBackendConfig as F
+    from lorarl.config.backends import MegatronBackendConfig as M
+    from lorarl.config.schema import GRPOConfig
 
     for schema in (GRPOConfig, F, M):
         valued = _schema_values(schema)
@@ -214,7 +215,7 @@ def test_removed_keys_are_rejected(hydra_compose, dead):
 def test_compose_gives_the_validated_run_config(hydra_compose):
     """config.compose is the command line's config: same as composing by hand, validated, and it
     leaves an initialised Hydra (this fixture's) as it found it."""
-    from lorarl.config import compose as compose_run
+    from lorarl.config.compose import compose as compose_run
 
     overrides = ["+backend=fsdp", "model=qwen3_tiny", "rollout.n=4", "trainer.seed=3"]
     run = compose_run(overrides)

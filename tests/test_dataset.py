@@ -256,7 +256,7 @@ def test_arith_held_out_pairs_are_never_in_the_warmup():
 def test_default_task_validation_prompts_are_not_training_prompts(tmp_path):
     """The default run's files, as the generator writes them: no validation prompt is a training
     prompt, so held-out accuracy measures sums GRPO never trained on."""
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     cfg = compose(["+backend=fsdp"])
     train, val = ensure_arith_parquet(

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lorarl.config import RewardConfig, load_group
+from lorarl.config.compose import load_group
+from lorarl.config.schema import RewardConfig
 from lorarl.data.dataset import PromptItem
 from lorarl.evaluation import accuracy, k_values, pass_at_k, validation_metrics
 

@@ -12,7 +12,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from lorarl.config import compose
+from lorarl.config.compose import compose
 from lorarl.errors import ConfigError
 from recipes.from_verl import VERL_KEYS, VerlTranslationError, script_launch, translate, verl_row
 from tests.test_config import compose_job, hydra_compose  # noqa: F401  (fixture)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lorarl.config import compose, compose_values
+from lorarl.config.compose import compose, compose_values
 from recipes.from_verl import VerlTranslationError, script_launch, translate, verl_row
 from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
 from recipes.from_verl.keys import VERL_KEYS

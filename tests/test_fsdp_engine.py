@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorarl.batch import build_batch
+from lorarl.algorithms.batch import build_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "fsdp_engine_check.py"
@@ -62,7 +62,7 @@ def hf_peft(model_path: Path, adapter: dict[str, torch.Tensor] | None):
 
 
 def logprobs(model, prompts, responses) -> torch.Tensor:
-    from lorarl.algorithms import token_logprobs
+    from lorarl.algorithms.losses import token_logprobs
 
     batch = build_batch(prompts, responses, pad_id=0)
     with torch.no_grad():

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.config import LoraConfig, MegatronBackendConfig, check_model_shape, compose, load_group
+from lorarl.config.backends import MegatronBackendConfig
+from lorarl.config.compose import compose, load_group
+from lorarl.config.schema import LoraConfig
+from lorarl.config.validate import check_model_shape
 from lorarl.engines.megatron import config_map as C
 from lorarl.errors import ConfigError
 from tests.megatron_checks import check_megatron
@@ -265,7 +268,7 @@ def test_qwen3_presets_launch_lines_pass_megatron_checks(preset):
     it shows FSDP) composes and passes every Megatron check against the model's real shape."""
     import shlex
 
-    from lorarl.config import CONF_DIR
+    from lorarl.config.compose import CONF_DIR
 
     header = (Path(CONF_DIR) / "model" / f"{preset}.yaml").read_text()
     launch = next(line.split("Launch:", 1)[1] for line in header.splitlines() if "Launch:" in line)

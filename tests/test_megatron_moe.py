@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lorarl.config import MegatronBackendConfig
+from lorarl.config.backends import MegatronBackendConfig
 from lorarl.engines.megatron import config_map as C
 from lorarl.engines.megatron import experts as X
 from lorarl.engines.megatron import names as N
@@ -466,7 +466,8 @@ def test_check_megatron_rejects_moe_layouts(backend_kw, lora_kw, model_kw, world
 def test_moe_megatron_presets_pass_every_check(preset, shape):
     """The experiment presets compose, validate, and pass the Megatron checks against the
     published Qwen3-MoE shapes (config.json on the hub) at their own device count."""
-    from lorarl.config import check_model_shape, compose
+    from lorarl.config.compose import compose
+    from lorarl.config.validate import check_model_shape
 
     run = compose([f"+experiment={preset}"])
     assert run.backend.strategy == "megatron" and run.backend.expert_tensor_parallel_size == 1
@@ -485,7 +486,7 @@ def test_moe_megatron_presets_pass_every_check(preset, shape):
 
 def test_expert_tp_refused_when_the_config_is_composed():
     """Refused before any GPU starts, naming the key."""
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     with pytest.raises(ConfigError, match=r"^backend\.expert_tensor_parallel_size=2: "):
         compose(["+backend=megatron", "backend.expert_tensor_parallel_size=2"])

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from lorarl.config import LoraConfig
+from lorarl.config.schema import LoraConfig
 from lorarl.engines.megatron import names as N
 from lorarl.engines.megatron.config_map import peft_adapter_config
 from lorarl.errors import ConfigError, ModelError, SyncError

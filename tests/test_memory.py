@@ -102,9 +102,9 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
     keeps the sleep and says why once; a later one that fits wakes the rollout for good."""
     import torch.distributed as dist
 
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.messages import SyncReport
-    from lorarl.rollout_sleep import RolloutSleep
+    from lorarl.rollout.sleep import RolloutSleep
 
     sleep = RolloutSleep.__new__(RolloutSleep)  # the GPU-only setup replaced by its outcome
     sleep.run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
@@ -128,7 +128,7 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
 
 def test_the_largest_micro_batch_a_run_allows():
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.memory import run_update_tokens
 
     budget = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
@@ -145,7 +145,7 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     """The estimate for the presets on the benchmark's work (bench/results/gpu_step_2026-12-01:
     'the update needs ~35.1 GiB' at 7B, ~54.1 at 0.5B, both then run awake without running out)."""
     from bench.common import SHAPES
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.memory import run_update_bytes
 
     run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
@@ -158,7 +158,7 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     backward: the 7B update's measured peak rose by 14.5 GiB (93.8 -> 108.3,
     bench/results/update_profile_2026-12-04c); the estimate adds the model's bf16 weights."""
     from bench.common import SHAPES
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.memory import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-7b"]))
@@ -181,7 +181,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     Its local spec's attention materialises the probabilities: a float32 softmax and its bf16
     copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.memory import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))

@@ -139,7 +139,7 @@ def test_unservable_expert_targets_are_refused_in_one_line(target):
 
 
 def test_moe_presets_compose_and_the_router_as_a_target_module_is_refused():
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     for preset in ("qwen3_moe_tiny", "qwen3_30b_a3b"):
         lora = compose(["+backend=fsdp", f"model={preset}"]).model.lora

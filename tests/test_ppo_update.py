@@ -1,4 +1,4 @@
-"""The one PPO update both engines share (lorarl.ppo), run with a small real torch
+"""The one PPO update both engines share (lorarl.algorithms.ppo), run with a small real torch
 policy in place of an engine's forward: loss normalisation over micro-batches, the on-policy
 shortcut, token-budget micro-batches and the metrics."""
 
@@ -9,12 +9,12 @@ import typing
 import pytest
 import torch
 
-from lorarl.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
-from lorarl.config import compose
+from lorarl.algorithms.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
+from lorarl.algorithms.ppo import Correction, is_on_policy, needs_old_logp
+from lorarl.algorithms.ppo import ppo_update as run_ppo_update
+from lorarl.config.compose import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
 from lorarl.messages import UpdateReport
-from lorarl.ppo import Correction, is_on_policy, needs_old_logp
-from lorarl.ppo import ppo_update as run_ppo_update
 from lorarl.trainer import sampling_of
 
 VOCAB, HIDDEN = 32, 8
@@ -34,7 +34,7 @@ class TablePolicy:
         self.micro_sizes: list[list[int]] = []
 
     def logp(self, ids: torch.Tensor) -> torch.Tensor:
-        from lorarl.algorithms import token_logprobs
+        from lorarl.algorithms.losses import token_logprobs
 
         logits = self.E[ids[:, :-1]] @ self.W
         return token_logprobs(logits, ids[:, 1:])[0]

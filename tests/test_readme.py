@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.config import compose
+from lorarl.config.compose import compose
 from recipes.from_verl import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]

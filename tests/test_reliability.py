@@ -94,7 +94,7 @@ def trainer_error(cache: Path, monkeypatch, out_dir: Path, *overrides: str):
     sibling case and a fresh interpreter per case would cost seconds."""
     from hydra import compose
 
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.errors import LorarlError
     from lorarl.trainer import GRPOTrainer
 
@@ -133,7 +133,8 @@ def test_tensor_parallel_must_split_the_heads(tiny_model_path):
     from hydra import compose
     from transformers import AutoConfig
 
-    from lorarl.config import check_model_shape, to_run_config
+    from lorarl.config.compose import to_run_config
+    from lorarl.config.validate import check_model_shape
     from lorarl.errors import ConfigError
 
     with composing():
@@ -191,7 +192,7 @@ def test_model_path_that_does_not_exist(cache, tmp_path):
 def test_model_path_given_with_the_default_preset_means_that_model(cache, tmp_path, monkeypatch, tiny_model_path):
     """The tiny-model builder writes only into the lorarl cache: a mistyped path is the usual
     one-line error (no toy model trained in its place), and a user's own model is used as is."""
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.models.tiny import MARKER
     from lorarl.trainer import prepare_model
 
@@ -243,7 +244,7 @@ def test_architecture_vllm_cannot_serve_with_lora(cache, tmp_path, monkeypatch):
 def test_vllm_engine_argument_it_does_not_have_or_lorarl_sets(cache, tmp_path, monkeypatch):
     """rollout.engine_kwargs goes to vLLM as given: a name the installed vLLM lacks fails before
     Ray starts (its names read once per vLLM version), and so does one lorarl sets itself."""
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
     from lorarl.errors import ConfigError
 
     err = trainer_error(cache, monkeypatch, tmp_path / "run", "+rollout.engine_kwargs.max_num_seq=4")
@@ -266,7 +267,7 @@ def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, 
     import torch
     from hydra import compose
 
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.engines.fsdp import load_lora_model
     from lorarl.errors import ModelError
 
@@ -791,7 +792,7 @@ def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, ti
     import torch
     from hydra import compose
 
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.engines.fsdp import load_lora_model
     from lorarl.engines.liger import apply_liger_kernel, use_liger_kernel
     from lorarl.errors import ConfigError

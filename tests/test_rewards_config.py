@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 
-from lorarl.config import RewardConfig, load_group, to_run_config
+from lorarl.config.compose import load_group, to_run_config
+from lorarl.config.schema import RewardConfig
 from lorarl.errors import ConfigError
 from lorarl.rewards import get_reward_fn
 

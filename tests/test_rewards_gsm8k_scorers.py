@@ -8,7 +8,8 @@ lenient: numbers compared by value, "$" and thousands commas allowed, the last "
 
 import pytest
 
-from lorarl.config import RewardConfig, load_group
+from lorarl.config.compose import load_group
+from lorarl.config.schema import RewardConfig
 from lorarl.rewards import get_reward_fn, gsm8k
 
 REFERENCE = (

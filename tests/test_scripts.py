@@ -96,7 +96,7 @@ def test_wrapper_is_its_preset_plus_knobs(script, tmp_path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import lorarl.config  # noqa: F401  (registers the schemas the YAML files name)
+    import lorarl.config.compose  # noqa: F401  (registers the schemas the YAML files name)
 
     preset = preset_of(script)
     skip_without_its_algorithm(preset)

@@ -59,7 +59,7 @@ def make_worker(model: str, cache: Path, *overrides: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.trainer import prepare_model
     from lorarl.worker import Worker
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.config.schema import VLLM_LORA_RANKS, vllm_lora_rank
 from lorarl.errors import ConfigError, SyncError
 from lorarl.messages import SyncReport
-from lorarl.schema import VLLM_LORA_RANKS, vllm_lora_rank
 from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -31,7 +31,7 @@ def worker(run_cache: Path):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.trainer import prepare_model
     from lorarl.worker import Worker
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from lorarl.config import RewardConfig, load_group
+from lorarl.config.compose import load_group
+from lorarl.config.schema import RewardConfig
 from lorarl.data import token_share as task
 from lorarl.data.dataset import PromptItem, build_prompts, load_rows
 from lorarl.errors import DataError

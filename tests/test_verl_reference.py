@@ -15,8 +15,9 @@ import math
 import pytest
 import torch
 
-from lorarl import algorithms as A
-from lorarl import rollout_correction as RC
+from lorarl.algorithms import losses as A
+from lorarl.algorithms import rollout_correction as RC
+from lorarl.config.schema import AGG_MODES
 
 B, T = 7, 11
 BOUND = 20.0
@@ -140,7 +141,7 @@ SEEDS = [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("mode", A.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_agg_loss_matches_verl(seed, mode):
     _, _, mask = random_inputs(seed)
     loss = torch.randn(B, T, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64)

@@ -92,7 +92,7 @@ def derive(out: Overrides, values: dict[str, str], backend: str, defaults: dict,
 
 
 def composed(overrides: list[str]):
-    from lorarl.config import compose_values
+    from lorarl.config.compose import compose_values
 
     try:
         return compose_values(overrides)

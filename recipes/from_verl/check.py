@@ -45,7 +45,8 @@ def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> li
     """lorarl's validation of `overrides`, then its model-shape and vLLM-argument checks where
     they can run here, and the cost of verl's sequence `splits`. Returns what was checked, one
     line each; raises LorarlError on a problem."""
-    from lorarl.config import check_model_shape, compose
+    from lorarl.config.compose import compose
+    from lorarl.config.validate import check_model_shape
     from lorarl.preflight import check_engine_kwargs
 
     run = compose(overrides)

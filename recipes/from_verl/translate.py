@@ -225,7 +225,7 @@ def backend_has(backend: str, to: str) -> bool:
     """Whether a lorarl key outside `backend.` or a field of the chosen backend's schema."""
     from dataclasses import fields
 
-    from lorarl.schema_backends import FSDPBackendConfig, MegatronBackendConfig
+    from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
 
     if not to.lstrip("+").startswith("backend."):
         return True

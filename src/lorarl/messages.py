@@ -95,7 +95,7 @@ def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-# The keys lorarl.ppo.ppo_update reports that UpdateReport has fields for; the rest (the
+# The keys lorarl.algorithms.ppo.ppo_update reports that UpdateReport has fields for; the rest (the
 # rollout correction's rollout_corr/*, a loss's own actor/* extras) travel in `extra`.
 _PPO_FIELDS = {
     "actor/pg_loss": "pg_loss",
@@ -115,7 +115,7 @@ _PPO_FIELDS = {
 @dataclass
 class UpdateReport:
     """One data-parallel replica's update: the PPO update's numbers (means over micro-batches and
-    mini-batches, lorarl.ppo.ppo_update) and the worker's timings around it. None: not measured
+    mini-batches, lorarl.algorithms.ppo.ppo_update) and the worker's timings around it. None: not measured
     this step (entropy with the metric off, KL loss off, off-policy passes skipped, memory on CPU)."""
 
     pg_loss: float

@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lorarl.config import VLLM_LORA_UNSUPPORTED, RunConfig, cache_dir
+from lorarl.config.run import RunConfig
+from lorarl.config.schema import VLLM_LORA_UNSUPPORTED, cache_dir
 from lorarl.engines import backend_of
 from lorarl.errors import ModelError, first_line
 from lorarl.rollout.vllm_engine_args import check_known

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lorarl import algorithms
+from lorarl.algorithms import advantages
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
-from lorarl.config import RunConfig, check_model_shape, steps_for, to_run_config
+from lorarl.config.compose import to_run_config
+from lorarl.config.run import RunConfig, steps_for
+from lorarl.config.validate import check_model_shape
 from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
@@ -45,7 +47,7 @@ def prepare_model(run: RunConfig) -> str:
 
     The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
     gives means that model, so a mistyped one fails in preflight instead of training a toy."""
-    from lorarl.config import cache_dir
+    from lorarl.config.schema import cache_dir
 
     path = os.path.expanduser(run.model.path)
     if run.model.builder is not None and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
@@ -82,7 +84,7 @@ def prepare_data(run: RunConfig) -> None:
     A generator (data.generator) writes its task only inside the lorarl cache, where its data
     preset puts it: a path the user gives means that file, so a mistyped one fails here in one
     line, before anything starts, and nothing is written there."""
-    from lorarl.config import cache_dir
+    from lorarl.config.schema import cache_dir
     from lorarl.errors import DataError
 
     d = run.data
@@ -333,7 +335,7 @@ class GRPOTrainer:
         for shard in _split(groups, self.workers.dp_size):
             scores = [x for g in shard for x in g.rewards]
             index = [k for k, g in enumerate(shard) for _ in g.samples]
-            adv = algorithms.grpo_advantages(
+            adv = advantages.grpo_advantages(
                 torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
             )
             requests.append(
@@ -398,7 +400,7 @@ class GRPOTrainer:
             for item, samples, lps in zip(shard, rollouts.token_ids, rollouts.logprobs):
                 scores = [self.score(item, s) for s in samples]
                 overlong = [
-                    algorithms.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
+                    advantages.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
                     if buffer
                     else 0.0
                     for s in samples

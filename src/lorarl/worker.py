@@ -2,8 +2,8 @@
 
 The worker places itself (process group, the rollout, then the engine) and answers the driver's
 three calls per step (lorarl.messages): generate, update, sync. Each concern has its own module:
-whether the rollout sleeps during the update (lorarl.rollout_sleep), the weight sync and its
-checks (lorarl.sync.session), the PPO update (lorarl.ppo), the checkpoint files
+whether the rollout sleeps during the update (lorarl.rollout.sleep), the weight sync and its
+checks (lorarl.sync.session), the PPO update (lorarl.algorithms.ppo), the checkpoint files
 (lorarl.checkpoint).
 """
 
@@ -20,9 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lorarl.batch import build_batch
+from lorarl.algorithms.batch import build_batch
+from lorarl.algorithms.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.checkpoint import load_engine_state, save_engine_state
-from lorarl.config import RunConfig
+from lorarl.config.run import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
 from lorarl.messages import (
@@ -35,8 +36,7 @@ from lorarl.messages import (
     WorkerSetup,
 )
 from lorarl.peft_io import save_peft_adapter
-from lorarl.ppo import Correction, needs_old_logp, ppo_update
-from lorarl.rollout_sleep import RolloutSleep, can_sleep
+from lorarl.rollout.sleep import RolloutSleep, can_sleep
 from lorarl.stall_report import stacks_after, stacks_file
 from lorarl.sync.session import SyncSession
 
@@ -303,7 +303,7 @@ class Worker:
 def make_engine(run: RunConfig, device: torch.device, *, seed: int) -> Engine:
     """The training engine the backend names (lorarl.engines.BACKENDS). An engine reads its own
     groups of `run` (model, actor, backend) at construction; what it needs from elsewhere is
-    passed: the seed here, a step's values in the call (lorarl.ppo passes the request's Sampling)."""
+    passed: the seed here, a step's values in the call (lorarl.algorithms.ppo passes the request's Sampling)."""
     return backend_of(run).engine_class()(run, device, seed=seed)
 
 

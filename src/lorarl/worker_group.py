@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lorarl.config import RunConfig
+from lorarl.config.run import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
 from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
 from lorarl.stall_report import STACKS_GLOB

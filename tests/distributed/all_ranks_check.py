@@ -1,4 +1,4 @@
-"""Under torchrun (gloo, two ranks): `lorarl.rollout_sleep.all_ranks` is true on every rank only when
+"""Under torchrun (gloo, two ranks): `lorarl.rollout.sleep.all_ranks` is true on every rank only when
 every rank passes true, as the sleep plan's switch to awake needs (one rank that does not fit
 keeps every rank asleep).
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lorarl.rollout_sleep import all_ranks
+from lorarl.rollout.sleep import all_ranks
 
 
 def main() -> None:

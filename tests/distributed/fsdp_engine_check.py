@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from lorarl.batch import build_batch
-from lorarl.config import RunConfig, compose
+from lorarl.algorithms.batch import build_batch
+from lorarl.config.compose import compose
+from lorarl.config.run import RunConfig
 from lorarl.engines.fsdp import FSDPEngine, peft_name
 from lorarl.sync import semantic
 from lorarl.sync.payload import PayloadKind
@@ -29,8 +30,8 @@ RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
 def update(engine, batch, step: int) -> dict:
-    """The worker's update call (lorarl.ppo.ppo_update with the run's sampling facts)."""
-    from lorarl.ppo import Correction, ppo_update
+    """The worker's update call (lorarl.algorithms.ppo.ppo_update with the run's sampling facts)."""
+    from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
     run = engine.run

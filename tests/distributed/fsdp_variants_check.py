@@ -19,8 +19,8 @@ from fsdp_engine_check import log_probs_at_temperature, update
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch._dynamo.utils import counters
 
-from lorarl.batch import build_batch
-from lorarl.config import compose
+from lorarl.algorithms.batch import build_batch
+from lorarl.config.compose import compose
 from lorarl.engines.fsdp import FSDPEngine
 
 

@@ -72,7 +72,7 @@ def make_run(
     merge: bool,
     cuda_graphs: bool = False,
 ):
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     tiny = kind == "tiny"
     dp = world // tp
@@ -138,7 +138,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from bench.common import cache_dir
-    from lorarl import algorithms
+    from lorarl.algorithms import advantages
     from lorarl.data.arith import make_rows
     from lorarl.messages import GenerateRequest, SyncRequest, UpdateRequest
     from lorarl.rewards import get_reward_fn
@@ -215,7 +215,7 @@ def main() -> None:
                     )
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
-        adv = algorithms.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
+        adv = advantages.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
         train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, sampling_of(run)))
         t_sleep = train.sleep_seconds
         t_sync0 = time.perf_counter()

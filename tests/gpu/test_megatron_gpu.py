@@ -69,7 +69,7 @@ CHECKED_WEIGHTS = (
 
 
 def _run_config(hf_dir: str, tp: int, pp: int, dtype: str, variant: str = ""):
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     # rollout.n=2 (the schema's minimum) with half the prompts: still N_SEQ sequences per
     # mini-batch (ppo_mini_batch_size x rollout.n), the one mini-batch the worker trains on.
@@ -114,9 +114,9 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
-    from lorarl.batch import build_batch
+    from lorarl.algorithms.batch import build_batch
+    from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.ppo import Correction, ppo_update
     from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import lora_shards, save_probe_and_result

@@ -51,7 +51,7 @@ CASES = [(1, "float32"), (1, "bfloat16"), (2, "float32")]
 
 
 def _run_config(hf_dir: str, ep: int, dtype: str):
-    from lorarl.config import compose
+    from lorarl.config.compose import compose
 
     seqs = N_SEQ // 2 * ep  # prompts per step: every data-parallel rank trains N_SEQ sequences
     return compose(
@@ -97,9 +97,9 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from lorarl.batch import build_batch
+    from lorarl.algorithms.batch import build_batch
+    from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.ppo import Correction, ppo_update
     from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import save_probe_and_result

@@ -121,7 +121,7 @@ def worker():
     from hydra.core.global_hydra import GlobalHydra
 
     from bench.common import shaped_model
-    from lorarl.config import to_run_config
+    from lorarl.config.compose import to_run_config
     from lorarl.worker import Worker
 
     model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")

@@ -114,7 +114,7 @@ def build_prompts(
     truncation: str = "error",
 ) -> tuple[list[PromptItem], int]:
     """Tokenize each row's chat prompt; returns the items and how many were filtered out.
-    `max_prompt_length` and `truncation` as lorarl.schema.DataConfig checks them."""
+    `max_prompt_length` and `truncation` as lorarl.config.schema.DataConfig checks them."""
     if not rows:
         raise DataError("no prompt rows to build from; check data.train_files / data.val_files")
     items: list[PromptItem] = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lorarl.config import RunConfig
+    from lorarl.config.run import RunConfig
 
 
 @dataclass(frozen=True)

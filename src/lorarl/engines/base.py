@@ -2,7 +2,7 @@
 
 An engine owns a sharded (FSDP2) or model-parallel (Megatron) policy with LoRA: it runs
 forward passes, applies optimizer steps and exports weights. What a step computes (mini-batches,
-micro-batches, the PPO-clip loss, KL and entropy terms, metrics) lives once in lorarl.ppo, which
+micro-batches, the PPO-clip loss, KL and entropy terms, metrics) lives once in lorarl.algorithms.ppo, which
 the worker calls with the engine; an engine contributes only how to run its forward/backward
 over a list of micro-batches.
 
@@ -18,7 +18,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from lorarl.batch import TrainBatch
+from lorarl.algorithms.batch import TrainBatch
 from lorarl.errors import TrainingError
 from lorarl.sync.payload import PayloadKind, WeightPayload
 
@@ -40,11 +40,11 @@ class Engine(Protocol):
     dp_size: int  # how many replicas split the data
     pad_token_id: int
     compute_dtype: torch.dtype  # dtype of the forward's matmuls (what the parity probe's bound reads)
-    left_pad_prompts: bool  # the batch layout it wants (lorarl.batch.build_batch)
+    left_pad_prompts: bool  # the batch layout it wants (lorarl.algorithms.batch.build_batch)
 
     def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
         """[B, L-1] float32 on CPU: log p(token t+1) at `temperature`; `reference=True` with the
-        adapter disabled. Micro-batches as lorarl.ppo.plan_micro_batches cuts them for a pass
+        adapter disabled. Micro-batches as lorarl.algorithms.ppo.plan_micro_batches cuts them for a pass
         without backward."""
 
     def forward_backward(

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from lorarl import algorithms
-from lorarl.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
-from lorarl.config import RunConfig
+from lorarl.algorithms import losses
+from lorarl.algorithms.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
+from lorarl.config.run import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
@@ -203,7 +203,7 @@ class FSDPEngine:
         # Positions first .. L-1; each but the last predicts a token of the batch. The last is
         # skipped by reading, not by a slice (a slice would copy every logit).
         labels = ids[:, first + 1 :]
-        logp, ent = algorithms.logprobs_and_entropy(out.logits, labels, temperature, entropy)
+        logp, ent = losses.logprobs_and_entropy(out.logits, labels, temperature, entropy)
         logp = F.pad(logp, (first, 0))
         return logp, None if ent is None else F.pad(ent, (first, 0))
 
@@ -233,7 +233,7 @@ class FSDPEngine:
             out[rows, first : last - 1] = logp.float().cpu()
         return out
 
-    # ---- update (lorarl.ppo drives it) ----------------------------------------------------
+    # ---- update (lorarl.algorithms.ppo drives it) ----------------------------------------------------
 
     def forward_backward(
         self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float

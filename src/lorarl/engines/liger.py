@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lorarl.config import RunConfig
+from lorarl.config.run import RunConfig
 from lorarl.errors import ConfigError, first_line
 
 # The model types Liger has kernels for (automatic use applies them to these only).

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from lorarl.config.schema import MODEL_BUILDERS, cache_dir
 from lorarl.data import arith
 from lorarl.errors import ModelError
-from lorarl.schema import MODEL_BUILDERS, cache_dir
 
 # Bump when anything below changes what gets built: a cached model with another
 # version is rebuilt rather than silently reused.

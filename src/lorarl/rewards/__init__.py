@@ -118,7 +118,7 @@ def _load_custom(path: str) -> Callable[..., Any]:
 def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = None) -> RewardFn:
     """The reward function for `data_source`; `custom` overrides the registry.
 
-    `reward` is the config's `reward` section (lorarl.config.RewardConfig); None means its defaults.
+    `reward` is the config's `reward` section (lorarl.config.schema.RewardConfig); None means its defaults.
     A custom function takes verl's signature (data_source, solution_str, ground_truth,
     extra_info) so reward functions written for verl plug in unchanged; it may return a
     number or a dict with a "score" entry. Its extra_info carries RESPONSE_IDS too.
@@ -141,7 +141,8 @@ def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = Non
             f" (or set data.reward_fn='package.module:function')"
         ) from None
     if reward is None:
-        from lorarl.config import RewardConfig, load_group
+        from lorarl.config.compose import load_group
+        from lorarl.config.schema import RewardConfig
 
         reward = load_group(RewardConfig, "reward/default")
     return build(reward)

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lorarl.config.schema import vllm_lora_rank
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
@@ -30,7 +31,6 @@ from lorarl.rollout import engine_process, vllm_engine_args, vllm_worker
 from lorarl.rollout.vllm_dtype import engine_dtype
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
-from lorarl.schema import vllm_lora_rank
 from lorarl.sync.experts import is_moe_checkpoint
 from lorarl.sync.fingerprint import fingerprint_sums
 from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lorarl.config.schema import QWEN3_MOE_EXPERT_PARAMETERS, check_target_parameters  # noqa: F401  (checked by the config)
 from lorarl.errors import SyncError
-from lorarl.schema import QWEN3_MOE_EXPERT_PARAMETERS, check_target_parameters  # noqa: F401  (checked by the config)
 
 # What `model.lora.target_parameters` names for Qwen3-MoE's routed experts.
 # The per-expert projections vLLM loads, by the fused parameter they come from (gate first:

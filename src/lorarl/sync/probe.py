@@ -122,7 +122,7 @@ def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
     """Trainer (adapter on), reference (adapter off) and vLLM log-probs of every probe token
     after the first. `engine` is a training engine (log_probs with reference=), `rollout` a
     VLLMRollout."""
-    from lorarl.batch import build_batch
+    from lorarl.algorithms.batch import build_batch
 
     batch = build_batch([s[:1] for s in sequences], [s[1:] for s in sequences], 0)
     mask = batch.response_mask.bool()

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lorarl.config import RunConfig
+from lorarl.config.run import RunConfig
 from lorarl.engines.base import Engine
 from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic, transport

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorarl.config.schema import LORA_INIT_METHODS as INIT_METHODS  # noqa: F401  (what the tests check against the bridge)
 from lorarl.engines.megatron.names import resolve_lora_targets
 from lorarl.errors import ConfigError
-from lorarl.schema import LORA_INIT_METHODS as INIT_METHODS  # noqa: F401  (what the tests check against the bridge)
 from lorarl.sync.experts import expert_projections
 
 PEFT_CLASSES = {"lora": "LoRA", "canonical_lora": "CanonicalLoRA"}
@@ -63,7 +63,7 @@ class PeftSpec:
 
 
 def peft_spec(lora: Any) -> PeftSpec:
-    """`model.lora` (checked by lorarl.schema.LoraConfig) -> LoRA/CanonicalLoRA(target_modules, dim, alpha, ...)."""
+    """`model.lora` (checked by lorarl.config.schema.LoraConfig) -> LoRA/CanonicalLoRA(target_modules, dim, alpha, ...)."""
     lora_type, init_a, rank, alpha, dropout = lora.type, lora.init_A, lora.rank, lora.alpha, float(lora.dropout)
     # Megatron's experts are linear_fc1/linear_fc2 modules: the fused-expert parameters name them.
     experts = expert_projections(getattr(lora, "target_parameters", ()) or ())

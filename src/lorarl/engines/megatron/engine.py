@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from lorarl.batch import TrainBatch, plan_micro_batches
-from lorarl.config import RunConfig
+from lorarl.algorithms.batch import TrainBatch, plan_micro_batches
+from lorarl.config.run import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
@@ -50,7 +50,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     """Megatron attention here is causal only (TE: no mask at all), so a row may not have
-    padding before a real token; lorarl.batch.build_batch right-pads prompt + response."""
+    padding before a real token; lorarl.algorithms.batch.build_batch right-pads prompt + response."""
     m = attention_mask.bool()
     if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):
         raise ValueError("the Megatron engine needs right-padded rows (no padding before a real token)")
@@ -225,7 +225,7 @@ class MegatronEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(token t+1) [b, L-1] from the logits [b, W, V/tp] (vocab-parallel with TP), and the
         entropy when `entropy` is "grad" (part of the loss) or "metric" (no graph)."""
-        from lorarl.algorithms import entropy_from_logits, logprobs_and_entropy
+        from lorarl.algorithms.losses import entropy_from_logits, logprobs_and_entropy
 
         if self.tp == 1:
             # The whole vocabulary is on this rank: the FSDP engine's blockwise log-softmax holds
@@ -300,7 +300,7 @@ class MegatronEngine:
 
     @torch.no_grad()
     def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
-        """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.batch.TrainBatch.
+        """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.algorithms.batch.TrainBatch.
 
         reference=True is the reference policy: the same model under PEFT's disable_adapter
         context, no second copy of the weights.
@@ -327,7 +327,7 @@ class MegatronEngine:
                 result[rows] = o["logp"]
         return self._broadcast_from_last_stage(result).cpu()
 
-    # ------------------------------------------------------------------ update (lorarl.ppo drives it)
+    # ------------------------------------------------------------------ update (lorarl.algorithms.ppo drives it)
 
     def forward_backward(
         self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float

@@ -8,8 +8,8 @@ Pure torch (plus torch.distributed for the gather); no Megatron import.
   2D fused-MoE LoRA loader expects for Qwen3-MoE (`experts.E.gate_proj|up_proj|down_proj`,
   its expert params mapping in 0.26 and 0.32) and what Megatron-Bridge 0.6.2's Qwen3MoEBridge
   export yields. Full tensors: vLLM slices them itself under its own tensor parallelism.
-- Which expert layouts export correctly (checked by the config, lorarl.schema_backends and
-  lorarl.config.check_model_shape): expert tensor parallelism
+- Which expert layouts export correctly (checked by the config, lorarl.config.backends and
+  lorarl.config.validate.check_model_shape): expert tensor parallelism
   > 1 does not. Megatron-Bridge 0.6.2 splits an expert's fused [gate; up] LoRA B as if it were
   unsharded (`_split_fused_fc1_linear_out_weight(is_expert=True)` uses a TP size of 1), but a
   gathered ETP-sharded B is [g_0, u_0, g_1, u_1, ...]: gate and up come out mixed, silently

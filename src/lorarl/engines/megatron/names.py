@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lorarl.config.schema import LORA_TYPES  # noqa: F401  (part of this module's names; the schema checks model.lora.type)
 from lorarl.errors import ConfigError, SyncError
-from lorarl.schema import LORA_TYPES  # noqa: F401  (part of this module's names; the schema checks model.lora.type)
 
 PEFT_PREFIX = "base_model.model."
 

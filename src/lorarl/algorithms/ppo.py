@@ -1,4 +1,4 @@
-"""The PPO update both engines share, beside the loss it optimises (lorarl.algorithms).
+"""The PPO update both engines share, beside the loss it optimises (lorarl.algorithms.losses).
 
 The worker calls `ppo_update` with its engine: mini-batches, micro-batches (fixed rows or a
 token budget), the PPO-clip loss with its global normalisation, the rollout correction, the KL
@@ -13,14 +13,14 @@ import math
 
 import torch
 
-from lorarl import algorithms
-from lorarl import rollout_correction as rcorr
-from lorarl.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
+from lorarl.algorithms import losses
+from lorarl.algorithms import rollout_correction as rcorr
+from lorarl.algorithms.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
+from lorarl.config.algorithm import RolloutCorrectionConfig
+from lorarl.config.schema import ActorConfig
 from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn
 from lorarl.errors import TrainingError
 from lorarl.messages import Sampling, reduce_metrics
-from lorarl.schema import ActorConfig
-from lorarl.schema_algorithm import RolloutCorrectionConfig
 
 
 def is_on_policy(actor: ActorConfig, train_batch_size: int) -> bool:
@@ -104,14 +104,14 @@ def ppo_update(
 
 
 def loss_denominator(engine: Engine, minibatch: TrainBatch, actor: ActorConfig, norm_len: int) -> float:
-    """What each micro-batch's loss sum is divided by (see algorithms.agg_loss): the mini-batch's
+    """What each micro-batch's loss sum is divided by (see losses.agg_loss): the mini-batch's
     kept tokens or sequences over all replicas / dp_size; for seq-mean-token-sum-norm the
     constant `norm_len` (actor.loss_scale_factor, default data.max_response_length) / dp_size, so
     the mini-batch's loss is its sum over sequences and tokens / the constant whatever the number
     of replicas (verl's engine also divides that by dp_size; the same at one replica)."""
     if actor.loss_agg_mode == "seq-mean-token-sum-norm":
         return float(norm_len) / engine.dp_size
-    count = algorithms.agg_count(minibatch.response_mask, actor.loss_agg_mode)
+    count = losses.agg_count(minibatch.response_mask, actor.loss_agg_mode)
     return max(engine.dp_all_reduce([count])[0], 1.0) / engine.dp_size
 
 
@@ -148,7 +148,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
             # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
             weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
             metrics.update({f"rollout_corr/{k}": v for k, v in corr.items()})
-        pg_loss, pg_metrics = algorithms.policy_loss(
+        pg_loss, pg_metrics = losses.policy_loss(
             logp,
             old,
             mb.advantages,
@@ -166,12 +166,12 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
-                loss = loss - a.entropy_coeff * algorithms.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/entropy"] = algorithms.masked_mean(entropy.detach(), mask)
+                loss = loss - a.entropy_coeff * losses.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
+            metrics["actor/entropy"] = losses.masked_mean(entropy.detach(), mask)
         if a.use_kl_loss:
-            kl = algorithms.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * algorithms.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/kl_loss"] = algorithms.masked_mean(kl.detach(), mask)
+            kl = losses.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * losses.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
+            metrics["actor/kl_loss"] = losses.masked_mean(kl.detach(), mask)
         metrics[LOSS_KEY] = loss.detach()
         return loss, metrics
 

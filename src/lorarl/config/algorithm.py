@@ -1,6 +1,6 @@
-"""The algorithm group's schemas (conf/algorithm/), with their own checks; like lorarl.schema,
+"""The algorithm group's schemas (conf/algorithm/), with their own checks; like lorarl.config.schema,
 types and docs only. Also the parser of `rollout_correction.rollout_rs` and its thresholds, which
-the check and lorarl.rollout_correction share."""
+the check and lorarl.algorithms.rollout_correction share."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def _rule(name: str, spec: str) -> Rejection:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's keys and meanings (lorarl.rollout_correction; formulas in docs/algorithms.md)."""
+    """verl's keys and meanings (lorarl.algorithms.rollout_correction; formulas in docs/algorithms.md)."""
 
     # Truncated importance weights min(pi_trainer / pi_rollout, rollout_is_threshold) on the loss:
     # token | sequence (the product over the response) | null | auto (token on CUDA, where they

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from lorarl.schema import ActorConfig
+from lorarl.config.schema import ActorConfig
 
 
 @dataclass

@@ -4,7 +4,7 @@ The schemas say which keys exist, their types and what they mean; they hold no v
 values live once, in the YAML groups under conf/ (tests/test_config.py fails when a schema
 carries a default). Hydra merges each YAML into its schema, so a typo (`model.lora.rnak=8`)
 or a wrong type fails at compose time naming the key. Checks that need several groups live in
-lorarl.config; the backend group's schemas in lorarl.schema_backends. Every check raises
+lorarl.config.validate; the backend group's schemas in lorarl.config.backends. Every check raises
 ConfigError with one line naming the key.
 
 This module imports nothing of lorarl but its errors: everything else may import it.
@@ -19,8 +19,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from lorarl.config.algorithm import AlgorithmConfig
 from lorarl.errors import ConfigError, check, one_of
-from lorarl.schema_algorithm import AlgorithmConfig
 from lorarl.sync.faults import FAULTS
 
 HF_LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,7 +85,7 @@ class LoraConfig:
     alpha: int = MISSING
     dropout: float = MISSING
     # HF projection names (q_proj ...), "all-linear", or Megatron names (linear_qkv ...). One
-    # name or a list (see lorarl.config.STRING_OR_LIST_KEYS).
+    # name or a list (see lorarl.config.compose.STRING_OR_LIST_KEYS).
     target_modules: Any = MISSING
     # Stacked parameters PEFT wraps directly (its `target_parameters`): the fused MoE experts,
     # e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (lorarl.sync.experts). Empty for dense models.
@@ -142,7 +142,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # One parquet path or a list, as verl takes them (see lorarl.config.STRING_OR_LIST_KEYS).
+    # One parquet path or a list, as verl takes them (see lorarl.config.compose.STRING_OR_LIST_KEYS).
     train_files: Any = MISSING
     val_files: Any = MISSING
     # "arith" | "token_share": the files are written by that embedded task's generator when missing.
@@ -332,7 +332,7 @@ class TrainerConfig:
     save_freq: int = MISSING
     test_freq: int = MISSING
     val_before_train: bool = MISSING
-    # One name or a list (see lorarl.config.STRING_OR_LIST_KEYS).
+    # One name or a list (see lorarl.config.compose.STRING_OR_LIST_KEYS).
     logger: Any = MISSING
     project_name: str = MISSING
     experiment_name: str = MISSING

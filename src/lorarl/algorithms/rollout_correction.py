@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from lorarl.algorithms import masked_mean, masked_sum
-from lorarl.schema_algorithm import (  # noqa: F401  (the option names and their parser live with the schema)
+from lorarl.algorithms.losses import masked_mean, masked_sum
+from lorarl.config.algorithm import (  # noqa: F401  (the option names and their parser live with the schema)
     IS_CHOICES,
     IS_LEVELS,
     RS_OPTIONS,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lorarl import memory
-from lorarl.config import RunConfig
+from lorarl.config.run import RunConfig
 from lorarl.memory import SleepPlan, plan_sleep
 
 

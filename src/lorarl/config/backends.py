@@ -1,5 +1,5 @@
 """The schemas of the backend group (+backend=fsdp|megatron), each with its own checks; like
-lorarl.schema, types and docs only: the values are in conf/backend/."""
+lorarl.config.schema, types and docs only: the values are in conf/backend/."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class MegatronBackendConfig:
 
     def check(self) -> None:
         """What megatron-core would assert later, with lorarl's key names (the model's shape:
-        lorarl.config.check_model_shape)."""
+        lorarl.config.validate.check_model_shape)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         for key, v in (

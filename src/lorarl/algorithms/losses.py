@@ -1,4 +1,4 @@
-"""GRPO math: group-normalised advantages, token log-probs, KL estimators, PPO-clip loss.
+"""The loss side of GRPO: token log-probs and entropy, KL estimators, loss aggregation, PPO-clip.
 
 Pure torch on plain tensors so every piece is testable with hand-computed numbers and
 shared by the FSDP and Megatron engines. Shapes: B sequences, T response tokens, V vocab.
@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 # The names the config accepts (checked there, once, with the key's name); a name outside them
 # reaching these functions is a caller's bug, a ValueError.
-from lorarl.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES
+from lorarl.config.schema import AGG_MODES, KL_KINDS, POLICY_LOSSES
 
 # exp() of a log-ratio above ~88 overflows float32 to inf, and inf in the forward pass
 # turns into NaN gradients even where a later clamp hides the value.
@@ -32,44 +32,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     total = masked_sum(x, mask, dim)
     count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
     return total / count.clamp(min=1).to(total.dtype)
-
-
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_index: torch.Tensor,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Outcome advantage per sample: (r - group mean) / (group std + eps), std unbiased.
-
-    Groups whose rewards are all equal (including singletons) get exactly 0: they carry
-    no signal about which sample was better, and float round-off must not invent one.
-    """
-    if rewards.dim() != 1 or group_index.shape != rewards.shape:
-        raise ValueError(
-            f"grpo_advantages wants rewards[B] and group_index[B], got "
-            f"{tuple(rewards.shape)} and {tuple(group_index.shape)}"
-        )
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    if rewards.numel() == 0:
-        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
-    r = rewards.to(torch.float64)
-    _, inv = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inv.max()) + 1
-    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
-    count = zeros.index_add(0, inv, torch.ones_like(r))
-    mean = zeros.index_add(0, inv, r) / count
-    dev = r - mean[inv]
-    if norm_by_std:
-        var = zeros.index_add(0, inv, dev * dev) / (count - 1).clamp(min=1)
-        adv = dev / (var.sqrt()[inv] + eps)
-    else:
-        adv = dev
-    hi = torch.full_like(zeros, -torch.inf).scatter_reduce(0, inv, r, "amax")
-    lo = torch.full_like(zeros, torch.inf).scatter_reduce(0, inv, r, "amin")
-    constant = (hi == lo)[inv]
-    adv = torch.where(constant, torch.zeros_like(adv), adv)
-    return adv.to(out_dtype)
 
 
 def _blocks(batch: int, width: int, chunk_tokens: int):
@@ -273,7 +235,7 @@ def policy_loss(
     per sequence, the length-normalised exp(mean_t log(pi/pi_old)), clipped as a whole; each token
     carries it with its own gradient (sg[s] * pi_t / sg[pi_t]), as GSPO-token defines it; its log
     is capped at 10 from above (no gradient past the cap), and it takes no dual clip and only
-    seq-mean-token-mean (lorarl.schema.ActorConfig checks it), as in verl.
+    seq-mean-token-mean (lorarl.config.schema.ActorConfig checks it), as in verl.
     `weights` [B, T] (detached; e.g. rollout-mismatch importance weights) multiply the per-token loss.
     Metrics: pg_clipfrac (tokens where the clipped term is active), ppo_kl (k1 estimate
     of KL(old || new), from the clamped log-ratio for vanilla as verl averages it), pg_clipfrac_lower (negative-advantage tokens capped by the dual clip),
@@ -315,10 +277,3 @@ def policy_loss(
         "pg_clipfrac_lower": clipfrac_lower,
     }
     return loss, metrics
-
-
-def overlong_penalty(length: int, max_length: int, buffer: int, penalty_factor: float) -> float:
-    """DAPO's soft overlong punishment: 0 up to max_length - buffer, then falling linearly to
-    -penalty_factor at max_length."""
-    exceed = length - (max_length - buffer)
-    return min(-exceed / buffer * penalty_factor, 0.0) if buffer > 0 else 0.0

@@ -1,0 +1,8 @@
+"""The RL algorithm: what a step computes from the rollouts, independent of the training engine.
+
+advantages          group-normalised GRPO advantages and DAPO's overlong reward shaping (driver side)
+losses              token log-probs and entropy, KL estimators, loss aggregation, PPO-clip and GSPO losses
+rollout_correction  importance weights and rejection on the sampler/trainer mismatch
+ppo                 the one PPO update both engines run: mini-batches, micro-batches, the loss, metrics
+batch               the padded training batch, its micro-batch plan and its padding measures
+"""
