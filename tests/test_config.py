@@ -311,6 +311,45 @@ def test_typo_in_key_names_the_key(hydra_compose):
     assert "rnak" in str(err.value.__cause__ or err.value)
 
 
+def test_unknown_keys_added_with_plus_fail_naming_each(hydra_compose):
+    """Hydra refuses `key=value` for a key no schema has, but `+key=value` adds it; a misspelt key
+    must fail, not be ignored. One line names each unknown key (top-level, in a group, nested two
+    deep) with the keys it may have meant."""
+    cfg = hydra_compose(
+        [
+            "+backend=fsdp",
+            "+trainer.nonsense_key=1",
+            "+actor.optim.lr_warmup=3",
+            "+algorithm.rollout_correction.rollout_is_treshold=2.0",
+            "+trainr.total_steps=3",
+        ]
+    )
+    with pytest.raises(ConfigError) as err:
+        to_run_config(cfg)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("unknown config keys ")
+    assert re.search(r"trainer\.nonsense_key(,|:)", message)  # nothing close: named alone
+    assert "actor.optim.lr_warmup (did you mean actor.optim.warmup_steps?)" in message
+    assert (
+        "algorithm.rollout_correction.rollout_is_treshold (did you mean "
+        "algorithm.rollout_correction.rollout_is_threshold" in message
+    )
+    assert "trainr (did you mean trainer?)" in message
+    with pytest.raises(ConfigError, match=r"^unknown config key trainer\.lr \(did you mean actor\.optim\.lr\?\)"):
+        to_run_config(hydra_compose(["+backend=fsdp", "+trainer.lr=1e-5"]))
+
+
+def test_pass_through_maps_take_any_key(hydra_compose):
+    """vLLM's engine arguments and Megatron's TransformerConfig overrides are other programs' names:
+    their maps stay open. trainer.sync_fault is a real key whose default is null (`+` sets it)."""
+    run = to_run_config(
+        hydra_compose(["+backend=fsdp", "+rollout.engine_kwargs.some_future_arg=1", "+trainer.sync_fault=scale_x2"])
+    )
+    assert run.rollout.engine_kwargs["some_future_arg"] == 1 and run.trainer.sync_fault == "scale_x2"
+    run = to_run_config(hydra_compose(["+backend=megatron", "+backend.override_transformer_config.some_field=1"]))
+    assert run.backend.override_transformer_config["some_field"] == 1
+
+
 def test_wrong_type_names_the_key(hydra_compose):
     with pytest.raises(ConfigCompositionException) as err:
         hydra_compose(["+backend=fsdp", "model.lora.rank=eight"])
@@ -473,6 +512,17 @@ def test_cli_without_backend_fails_with_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert "+backend=fsdp" in last and "+backend=megatron" in last
     assert "Traceback" not in out.stderr
+
+
+def test_cli_unknown_key_fails_before_anything_starts(tmp_path):
+    out = run_cli("+backend=fsdp", "+trainer.nonsense_key=1", f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: unknown config key trainer.nonsense_key: no schema defines it; fix the spelling or "
+                      "drop the + override (the YAML files under conf/ show every key)"]  # fmt: skip
+    assert "Traceback" not in out.stderr
+    # Only Hydra's own record of the command line; no step, log or checkpoint was written.
+    assert {p.name for p in (tmp_path / "run").iterdir()} <= {".hydra", "grpo.log"}
 
 
 def test_layered_summon_is_an_fsdp_gather(hydra_compose):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
 from lorarl.config.schema import GRPOConfig, cache_dir
-from lorarl.config.validate import validate
+from lorarl.config.validate import check_known_keys, validate
 from lorarl.errors import ConfigError
 
 # src/lorarl/config/compose.py -> the repository's conf/.
@@ -75,10 +75,12 @@ def as_string_lists(obj: Any) -> None:
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Typed config from a composed one, after every group's own checks and the cross-group ones."""
+    """Typed config from a composed one, after the check for unknown keys, every group's own checks
+    and the cross-group ones."""
     if "backend" not in cfg or OmegaConf.is_missing(cfg, "backend"):
         raise ConfigError(MISSING_BACKEND)
     obj = OmegaConf.to_object(cfg)
+    check_known_keys(obj)
     as_string_lists(obj)
     run = RunConfig(**{k: getattr(obj, k) for k in GROUPS})
     validate(run)

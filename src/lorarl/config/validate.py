@@ -1,16 +1,73 @@
-"""Validation of the run config: each group's own checks, then the ones that need several groups.
+"""Validation of the run config: keys no schema defines, each group's own checks, then the ones
+that need several groups.
 
-Each check raises ConfigError with one line naming the key and what to do. `validate` runs on
-every RunConfig before the trainer starts anything; `check_model_shape` runs once the model's
-config is read (heads, layers, vocabulary and experts against the parallel sizes).
+Each check raises ConfigError with one line naming the key and what to do. `check_known_keys`
+and `validate` run on every composed config before the trainer starts anything;
+`check_model_shape` runs once the model's config is read (heads, layers, vocabulary and experts
+against the parallel sizes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from typing import Any
+
 from lorarl.config.backends import MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
-from lorarl.errors import check
+from lorarl.errors import ConfigError, check
 from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
+
+
+def check_known_keys(config: Any) -> None:
+    """Refuse every key the schemas do not define, in one line naming each with its close matches.
+
+    `config` is the typed object OmegaConf.to_object makes of a composed config. Hydra refuses
+    `key=value` for a key the schema lacks, but `+key=value` adds it, and to_object keeps it as an
+    attribute of the typed object that nothing reads: a misspelt key would be silently ignored.
+    Every dataclass-typed group is closed. A field typed as a dict is a pass-through map whose keys
+    are another program's and stay open: rollout.engine_kwargs (vLLM's engine arguments, checked
+    against the installed vLLM by lorarl.preflight) and backend.override_transformer_config
+    (Megatron's TransformerConfig fields).
+    """
+    children: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    _walk(config, "", children, unknown)
+    if not unknown:
+        return
+    named = ", ".join(_with_close_matches(key, children) for key in unknown)
+    plural = "s" if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"unknown config key{plural} {named}: no schema defines {'them' if plural else 'it'}; fix the spelling "
+        "or drop the + override (the YAML files under conf/ show every key)"
+    )
+
+
+def _walk(obj: Any, prefix: str, children: dict[str, list[str]], unknown: list[str]) -> None:
+    """Collect the schema's keys under `prefix` (parent path -> child names) and the keys an
+    override added beside them (attributes that are not dataclass fields)."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    children[prefix] = names
+    unknown.extend(prefix + name for name in vars(obj) if name not in names)
+    for name in names:
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _walk(value, f"{prefix}{name}.", children, unknown)
+
+
+def _with_close_matches(key: str, children: dict[str, list[str]]) -> str:
+    """`key`, plus the keys it may have meant: siblings spelt alike (difflib), siblings it begins
+    or shares a word of 5+ letters with (`temp` for temperature, `lr_warmup` for warmup_steps),
+    and keys of the same name in another group (`trainer.lr` for actor.optim.lr)."""
+    parent, _, leaf = key.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    siblings = children.get(prefix, [])
+    words = {w for w in leaf.split("_") if len(w) >= 5}
+    related = [n for n in siblings if n.startswith(leaf) or words & set(n.split("_"))]
+    alike = list(dict.fromkeys(difflib.get_close_matches(leaf, siblings, n=3) + related))[:3]
+    elsewhere = [p + leaf for p, names in children.items() if p != prefix and leaf in names]
+    matches = [prefix + name for name in alike] + elsewhere
+    return f"{key} (did you mean {' or '.join(matches)}?)" if matches else key
 
 
 def validate(run: RunConfig) -> None:
