@@ -32,16 +32,17 @@ def test_qwen3_tiny_reward_rises_with_exact_parity(cache, tmp_path):
         run,
         cache,
         "model=qwen3_tiny",
-        "trainer.total_steps=40",
+        # 60 steps: this model's reward rises by about 0.09 over 60 steps, 0.04 over 40.
+        "trainer.total_steps=60",
         "trainer.device=cpu",
         "trainer.val_before_train=true",
-        "trainer.test_freq=40",
+        "trainer.test_freq=60",
         "trainer.check_sync_probe_freq=1",
     )
     assert out.returncode == 0, out.stderr[-5000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = metrics(run)
-    assert len(rows) == 40
+    assert len(rows) == 60
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
@@ -49,7 +50,7 @@ def test_qwen3_tiny_reward_rises_with_exact_parity(cache, tmp_path):
     assert all(r["sync/kind"] == "adapter" for r in rows)
     assert max(r["sync/logprob_diff_max"] for r in rows) < 1e-3
     vals = [r for r in lines if "val/acc" in r]
-    assert [r["step"] for r in vals] == [0, 40] and 0.0 < vals[0]["val/acc"] < 1.0
+    assert [r["step"] for r in vals] == [0, 60] and 0.0 < vals[0]["val/acc"] < 1.0
     config = json.loads((run / "final_adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
