@@ -200,7 +200,7 @@ def test_qwen_presets_micro_batch_by_a_budget_that_shrinks_with_size(hydra_compo
 def test_embedded_models_name_their_builder(hydra_compose, model):
     run = to_run_config(hydra_compose(["+backend=fsdp", f"model={model}"]))
     assert run.model.builder == f"tiny_{model.split('_')[0]}" and run.model.path.endswith(f"/{model}")
-    assert run.model.dtype == "float32" and run.model.lora.rank == 16 and run.actor.optim.lr == 7e-4
+    assert run.model.dtype == "float32" and run.model.lora.rank == 16 and run.actor.optim.lr == 1e-3
 
 
 @pytest.mark.parametrize(
