@@ -27,6 +27,9 @@ class Backend:
     # the response positions; True, at every position (Megatron's GPT model), its loss then
     # taking whole float32 copies of the logits when they are split over TP ranks.
     head_at_every_position: bool
+    # Whether the engine computes the semantic sync check's expected side (`lora_projections`,
+    # lorarl.sync.semantic); without it a sync is checked by the transport fingerprint and the probe.
+    semantic_sync_check: bool
 
     def engine_class(self) -> type:
         module, name = self.engine.split(":")
@@ -40,6 +43,7 @@ BACKENDS: dict[str, Backend] = {
         needs_cuda=False,
         checks_hf_lora_targets=True,
         head_at_every_position=False,
+        semantic_sync_check=True,
     ),
     "megatron": Backend(
         option="megatron",
@@ -47,6 +51,9 @@ BACKENDS: dict[str, Backend] = {
         needs_cuda=True,
         checks_hf_lora_targets=False,
         head_at_every_position=True,
+        # Its expected side needs the bridge's fused linear_qkv / linear_fc1 adapters read back into
+        # HF modules, with TP and EP slices combined: not built yet.
+        semantic_sync_check=False,
     ),
 }
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 from lorarl.config.run import RunConfig
+from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
 from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic, transport
@@ -35,6 +36,8 @@ class SyncSession:
         self.probe_freq = run.trainer.check_sync_probe_freq
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
         self._probe_due = False
+        # Whether this engine computes the semantic check's expected side (lorarl.engines.BACKENDS).
+        self.semantic = self.check and backend_of(run).semantic_sync_check
         self.fault = SyncFault(run.trainer.sync_fault)
         self.fault.on_engine(engine)
         # Whether the export has been checked once with non-zero factors (lorarl.sync.semantic).
@@ -66,7 +69,7 @@ class SyncSession:
                 checks["weights_match"], checks["weights_checked"] = transport.verify_weights(self.rollout, self.rank)
                 checks["weights_check_seconds"] = time.perf_counter() - t0
         if not self.merge:
-            if self.check and not self._self_tested:
+            if self.semantic and not self._self_tested:
                 self._self_test()
             payload, gather_s = self._export_adapter()
             stats.append(self._apply(payload, gather_s))
@@ -82,16 +85,13 @@ class SyncSession:
     def _check_adapter(self, payload) -> dict:
         """Transport (vLLM holds the bytes sent), then meaning (those bytes apply the trainer's deltas)."""
         t0 = time.perf_counter()
-        match = transport.verify_adapter(self.rollout, payload, self.rank)
+        checks = {"adapter_match": transport.verify_adapter(self.rollout, payload, self.rank)}
         t1 = time.perf_counter()
-        meaning = semantic.verify(self.engine, self.rollout, self.rank)
-        t2 = time.perf_counter()
-        return {
-            "adapter_match": match,
-            "adapter_check_seconds": t1 - t0,
-            "adapter_meaning": meaning,
-            "meaning_check_seconds": t2 - t1,
-        }
+        checks["adapter_check_seconds"] = t1 - t0
+        if self.semantic:
+            checks["adapter_meaning"] = semantic.verify(self.engine, self.rollout, self.rank)
+            checks["meaning_check_seconds"] = time.perf_counter() - t1
+        return checks
 
     def _self_test(self) -> None:
         """Once per process, before the first adapter sync: the whole export -> load -> checks on
