@@ -104,11 +104,12 @@ def first_sync(worker, fault: str | None, step: int = 0):
     return worker.sync(SyncRequest(step=step, last=False))
 
 
-def move_adapter(worker, seed: int) -> None:
+def move_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
     """Trained-looking factors in the engine's shards (B non-zero), as training leaves them."""
     gen = torch.Generator().manual_seed(seed)
     lora = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in worker.engine.lora_state().items()}
     worker.engine.load_state(lora, None, None)
+    return lora
 
 
 def peft_projections(model) -> dict[str, torch.Tensor]:

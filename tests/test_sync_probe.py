@@ -6,7 +6,7 @@ a skipped sync, a zeroed adapter and one layer's B left out each stop the probe.
 
 from __future__ import annotations
 
-import socket
+import os
 from pathlib import Path
 
 import pytest
@@ -16,52 +16,20 @@ from lorarl.errors import SyncError
 from lorarl.messages import SyncRequest
 from lorarl.sync.payload import WeightPayload
 from lorarl.sync.probe import FP32_BOUNDS
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_sync_faults import make_worker
+from tests.test_sync_faults import move_adapter as moved_adapter
 
 # A sync that runs the probe whenever its sequences are set (the run's last step).
 PROBING_SYNC = SyncRequest(step=1, last=True)
 
 
 @pytest.fixture(scope="module")
-def worker(run_cache: Path):
+def worker(run_cache: Path, lorarl_cache: Path):
     """The real Worker (vLLM + FSDP2 over gloo, one process), composed from the real config."""
-    import os
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lorarl.config.compose import to_run_config
-    from lorarl.trainer import prepare_model
-    from lorarl.worker import Worker
-
-    old = os.environ.get("LORARL_CACHE")
-    os.environ["LORARL_CACHE"] = str(run_cache)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", "trainer.device=cpu"])
-    GlobalHydra.instance().clear()
-    run = to_run_config(cfg)
-    prepare_model(run)
-    w = Worker(run, rank=0, world_size=1, device="cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    w.setup("127.0.0.1", port)
+    w = make_worker("qwen2_tiny", run_cache)
     yield w
     w.shutdown()
-    if old is None:
-        os.environ.pop("LORARL_CACHE", None)
-    else:
-        os.environ["LORARL_CACHE"] = old
-
-
-def moved_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
-    """A trained-looking adapter put into the engine's shards (B non-zero)."""
-    gen = torch.Generator().manual_seed(seed)
-    lora = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in worker.engine.lora_state().items()}
-    worker.engine.load_state(lora, None, None)
-    return lora
+    os.environ["LORARL_CACHE"] = str(lorarl_cache)
 
 
 @pytest.fixture(scope="module")

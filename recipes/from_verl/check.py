@@ -46,7 +46,7 @@ def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> li
     they can run here, and the cost of verl's sequence `splits`. Returns what was checked, one
     line each; raises LorarlError on a problem."""
     from lorarl.config.compose import compose
-    from lorarl.config.validate import check_model_shape
+    from lorarl.config.validate import check_model_shape_of
     from lorarl.preflight import check_engine_kwargs
 
     run = compose(overrides)
@@ -60,13 +60,6 @@ def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> li
             f"memory: {key}={n} is not used; its cost needs the model's config" for key, n in (splits or {}).items()
         ]
         return done
-    check_model_shape(
-        run,
-        hf.num_attention_heads,
-        getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        num_layers=hf.num_hidden_layers,
-        vocab_size=hf.vocab_size,
-        num_experts=int(getattr(hf, "num_experts", None) or 0),
-    )
+    check_model_shape_of(run, hf)
     done.append("parallel sizes against the model's heads, layers, vocabulary and experts")
     return done + split_costs(run, hf, splits or {})

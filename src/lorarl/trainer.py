@@ -25,7 +25,7 @@ from lorarl.algorithms import advantages
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
-from lorarl.config.validate import check_model_shape
+from lorarl.config.validate import check_model_shape_of
 from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
@@ -147,14 +147,7 @@ class GRPOTrainer:
         # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
         hf_cfg = check_model(run)
         check_engine_kwargs(run)
-        check_model_shape(
-            run,
-            hf_cfg.num_attention_heads,
-            getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads,
-            num_layers=hf_cfg.num_hidden_layers,
-            vocab_size=hf_cfg.vocab_size,
-            num_experts=int(getattr(hf_cfg, "num_experts", None) or 0),
-        )
+        check_model_shape_of(run, hf_cfg)
         self.tokenizer = load_tokenizer(run)
         d = run.data
 

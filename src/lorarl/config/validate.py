@@ -179,6 +179,18 @@ def check_megatron(run: RunConfig) -> None:
     )
 
 
+def check_model_shape_of(run: RunConfig, hf_config) -> None:
+    """check_model_shape with the sizes read from a transformers config."""
+    check_model_shape(
+        run,
+        hf_config.num_attention_heads,
+        getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        num_layers=hf_config.num_hidden_layers,
+        vocab_size=hf_config.vocab_size,
+        num_experts=int(getattr(hf_config, "num_experts", None) or 0),
+    )
+
+
 def check_model_shape(
     run: RunConfig,
     num_attention_heads: int,
