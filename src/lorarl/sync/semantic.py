@@ -135,9 +135,10 @@ def _local(p: Tensor) -> tuple[Tensor, int]:
 
 
 def _module_sums(lora: TrainerLora, count: int) -> list[Tensor]:
-    """This rank's share of the four per-rank-index sums a module's projections need, each
-    [parts, count, R] or [parts, R] (R = rank x experts): y = A v, z = B^T u, and the squared
-    sums for the noise. Summing the shares over the ranks that hold the rows gives the full ones."""
+    """This rank's share of the four sums a module's projections need (R = rank x experts):
+    y = A v [count, R] and A's squared row sums [R] from A's rows, z = B^T u [parts, count, R]
+    and B's squared column sums [parts, R] from B's rows (parts: gate and up of a fused expert
+    parameter, else one). Summing the shares over the ranks that hold the rows gives the whole."""
     a, a0 = _local(lora.a)
     b, b0 = _local(lora.b)
     rows_r, n_in = lora.a.shape
