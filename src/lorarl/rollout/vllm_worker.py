@@ -8,6 +8,8 @@ worker as its first argument, as collective_rpc passes it.
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 
 from lorarl.errors import SyncError
@@ -179,6 +181,9 @@ def adapter_layout(worker) -> AdapterLayout:
     manager, adapters = _lora_adapters(worker)
     mapper = lora_name_mapper(getattr(adapters.model, "hf_to_vllm_mapper", None))
 
+    # The same names are parsed at every sync by both checks (tens of thousands of expert
+    # projections on a MoE model); the parser is pure, so each name is parsed once.
+    @functools.cache
     def module_of(name: str) -> tuple[str, bool]:
         try:
             module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
