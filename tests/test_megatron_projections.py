@@ -191,3 +191,39 @@ def test_an_unknown_adapter_layout_is_refused_by_name():
     name = "decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight0"  # grouped-GEMM experts
     with pytest.raises(SyncError, match="linear_fc1.adapter.linear_in.weight0"):
         megatron_lora_projections([(name, torch.zeros(R, HIDDEN))], {}, shape_of(0, 1, 0, 1))
+
+
+def test_model_lora_reads_scaling_and_global_layer_numbers():
+    """A module tree named as Megatron-Bridge names it (two pipeline chunks, each with a local
+    layer 0): the adapters' own alpha / dim, and layers renamed by their global layer_number."""
+    from torch import nn
+
+    from lorarl.engines.megatron.projections import model_lora
+
+    def chunk(layer_number: int, alpha: float) -> nn.Module:
+        adapter = nn.Module()
+        adapter.alpha, adapter.dim = alpha, R
+        adapter.linear_in, adapter.linear_out = nn.Linear(HIDDEN, R, bias=False), nn.Linear(R, HIDDEN, bias=False)
+        layer = nn.Module()
+        layer.layer_number = layer_number
+        layer.self_attention = nn.Module()
+        layer.self_attention.linear_proj = nn.Module()
+        layer.self_attention.linear_proj.adapter = adapter
+        root = nn.Module()
+        root.decoder = nn.Module()
+        root.decoder.layers = nn.ModuleList([layer])
+        wrapped = nn.Module()
+        wrapped.module = root
+        return wrapped
+
+    params, scaling = model_lora([chunk(1, 8.0), chunk(3, 2.0)])
+    assert scaling == {
+        "module.decoder.layers.0.self_attention.linear_proj.adapter": 8.0 / R,
+        "module.decoder.layers.2.self_attention.linear_proj.adapter": 2.0 / R,
+    }
+    assert [n for n, _ in params] == [
+        "module.decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight",
+        "module.decoder.layers.0.self_attention.linear_proj.adapter.linear_out.weight",
+        "module.decoder.layers.2.self_attention.linear_proj.adapter.linear_in.weight",
+        "module.decoder.layers.2.self_attention.linear_proj.adapter.linear_out.weight",
+    ]

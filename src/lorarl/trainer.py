@@ -190,10 +190,12 @@ class GRPOTrainer:
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
-        if self.run.trainer.check_sync and not backend_of(self.run).semantic_sync_check:
+        merge = self.run.model.lora.merge
+        if self.run.trainer.check_sync and not backend_of(self.run).checks_meaning(merge):
             say(
-                f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet "
-                "(sync/adapter_meaning); the transport fingerprint and the probe check each sync"
+                f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet for "
+                f"{'merged' if merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
+                "probe check each sync"
             )
         resumed = self.resume_from is not None
         if resumed:

@@ -40,7 +40,7 @@ class SyncSession:
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
         self._probe_due = False
         # Whether this engine computes the semantic check's expected side (lorarl.engines.BACKENDS).
-        self.semantic = self.check and backend_of(run).semantic_sync_check
+        self.semantic = self.check and backend_of(run).checks_meaning(self.merge)
         self.fault = SyncFault(run.trainer.sync_fault)
         self.fault.on_engine(engine)
         # Whether the export has been checked once with non-zero factors (lorarl.sync.semantic).

@@ -163,11 +163,13 @@ def _adapters(params: Iterable[tuple[str, Tensor]], scaling: Mapping[str, float]
             continue
         local = m["expert"]
         expert = None if local is None else shape.ep_rank * shape.local_experts + int(local)
-        key = (int(m["layer"]), expert, m["linear"], m["sub"], name.rsplit(".adapter.", 1)[0] + ".adapter")
+        key = (int(m["layer"]), expert, m["linear"], m["sub"], name.rsplit(f".{m['side']}.", 1)[0])
         pairs.setdefault(key, {})[m["side"]] = p
     for (layer, expert, linear, sub, prefix), sides in sorted(pairs.items(), key=lambda kv: str(kv[0])):
         if set(sides) != {"linear_in", "linear_out"}:
             raise SyncError(f"Megatron LoRA adapter '{prefix}' lacks linear_in or linear_out")
+        if prefix not in scaling:
+            raise SyncError(f"Megatron LoRA adapter '{prefix}' has no alpha / dim to scale by")
         yield _Adapter(layer, expert, linear, sub, sides["linear_in"], sides["linear_out"], scaling[prefix])
 
 
@@ -264,3 +266,53 @@ def finish(entries: list[Entry], flat: Tensor, r: int, count: int = PROJECTIONS)
                 raise SyncError(f"two Megatron LoRA adapters cover {path}")
             out[path] = Projection(values, noise, n_out, n_in, s * float(b_sq.sum().sqrt() * a_sq.sum().sqrt()))
     return out
+
+
+def shape_from_config(hf_config, rank: int, ps) -> MegatronShape:
+    """The sizes from an HF config, the ranks from megatron-core's parallel_state `ps`."""
+    heads = hf_config.num_attention_heads
+    experts = int(getattr(hf_config, "num_experts", None) or 0)
+    local = experts // ps.get_expert_model_parallel_world_size() if experts else 0
+    return MegatronShape(
+        heads=heads,
+        query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        hidden=hf_config.hidden_size,
+        ffn=int(getattr(hf_config, "intermediate_size", 0) or 0),
+        expert_ffn=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
+        rank=rank,
+        experts=experts,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank() if experts else 0,
+        local_experts=local,
+    )
+
+
+_LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)(\..*)?$")
+
+
+def model_lora(model_chunks: list) -> tuple[list[tuple[str, Tensor]], dict[str, float]]:
+    """(LoRA parameters by name, scaling alpha / dim per adapter module) of Megatron model chunks,
+    read from the adapter modules themselves (megatron.bridge.peft's ParallelLinearAdapter scales
+    its output by alpha / dim). Layers are renumbered by each TransformerLayer's own global
+    `layer_number` (1-based), so pipeline stages name their layers as the HF checkpoint does."""
+    params: list[tuple[str, Tensor]] = []
+    scaling: dict[str, float] = {}
+    for chunk in model_chunks:
+        number: dict[str, int] = {}
+        for name, module in chunk.named_modules():
+            m = _LAYER.match(name)
+            if m is not None and m[3] is None and hasattr(module, "layer_number"):
+                number[m[2]] = int(module.layer_number) - 1
+
+        def global_name(name: str, number: dict[str, int] = number) -> str:
+            m = _LAYER.match(name)
+            return name if m is None else f"{m[1]}{number.get(m[2], int(m[2]))}{m[3] or ''}"
+
+        for name, module in chunk.named_modules():
+            if name.endswith(".adapter") or re.search(r"\.adapter\.adapter_[a-z]+$", name):
+                if hasattr(module, "alpha") and hasattr(module, "dim"):
+                    scaling[global_name(name)] = float(module.alpha) / float(module.dim)
+        params += [(global_name(n), p) for n, p in chunk.named_parameters() if ".adapter." in n]
+    return params, scaling
