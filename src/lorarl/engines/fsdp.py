@@ -411,8 +411,7 @@ class FSDPEngine:
         return trainer_projections(trainer_loras(self.model), _all_reduce if self.world > 1 else None)
 
     def base_projections(self) -> BaseProjections:
-        """The merged check's base side: u^T W_base v per LoRA module from this model's frozen
-        weights (lorarl.sync.semantic_merged; the caller caches it). Collective: one all-reduce."""
+        """The merged check's cached base side (lorarl.sync.semantic_merged). Collective."""
         return base_projections(trainer_bases(self.model), _all_reduce if self.world > 1 else None)
 
     def lora_parameters(self) -> list[torch.Tensor]:
@@ -464,6 +463,8 @@ class FSDPEngine:
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":  # shards offloaded to the host
+        t = t.cuda()
     dist.all_reduce(t)
     return t
 
