@@ -388,3 +388,38 @@ def test_merged_margin_with_moved_factors_and_a_missing_delta(merged_worker):
     finally:
         session.fault = SyncFault(None)
     assert merged_worker.sync(SyncRequest(step=7, last=False)).adapter_meaning == 1.0
+
+
+@pytest.mark.parametrize("relative", [0.2, 0.005])
+def test_merged_bound_in_bfloat16_at_a_7b_layer(relative):
+    """At a Qwen2.5-7B projection (3584 x 3584, bf16 base, rank 64): a correct merged weight
+    (W + delta rounded to bf16, as the export sends it) passes; the same weight without its delta
+    fails when |delta|_F is 20% of |W|_F and passes (the documented limit) at 0.5%, where bf16
+    rounding of W + delta is of the delta's own size."""
+    from lorarl.sync.semantic_merged import TrainerBase, base_projections, merged_expected
+
+    gen = torch.Generator().manual_seed(0)
+    n, rank = 3584, 64
+    w = (torch.randn(n, n, generator=gen) * 0.02).bfloat16()
+    a = torch.randn(rank, n, generator=gen) / n**0.5
+    b = torch.randn(n, rank, generator=gen)
+    delta = b @ a
+    b *= relative * float(w.float().norm()) / float(2.0 * delta.norm())  # scaling 2: |delta|_F = relative |W|_F
+    path = "model.layers.0.self_attn.q_proj"
+    base = base_projections([TrainerBase(path, w, None)])
+    expected = merged_expected(
+        base.modules, semantic.trainer_projections([semantic.TrainerLora(path, a, b, 2.0, 1, None)])
+    )
+    roundoff = max(semantic.unit_roundoff(torch.bfloat16, torch.float32), base.roundoff)
+    u, v = semantic.signs(n, "out"), semantic.signs(n, "in")
+
+    def observed(served: torch.Tensor) -> dict:
+        return {path: (torch.einsum("ko,oi,ki->k", u, served.double(), v), 1.0)}
+
+    merged = (w.float() + 2.0 * b @ a).bfloat16()
+    assert semantic.compare(expected, observed(merged), roundoff, merged=True) == 1.0
+    if relative > 0.1:
+        with pytest.raises(SyncError, match="the merged weight vLLM serves is not the trainer's base"):
+            semantic.compare(expected, observed(w), roundoff, merged=True)
+    else:
+        assert semantic.compare(expected, observed(w), roundoff, merged=True) == 1.0
