@@ -116,7 +116,9 @@ class SyncSession:
         """Once per process, before the first adapter or merged sync: the whole export -> load -> checks on
         seeded random factors, then the trained ones back. A fresh adapter's B is zero, so every
         delta is zero and a wrong layout would pass the semantic check until training moved it."""
-        with semantic.randomized(self.engine.lora_parameters()):
+        # Merged, the delta must stand out of the served dtype's rounding of W_base + delta
+        # (lorarl.sync.semantic_merged): larger factors, a delta of the weights' own size at rank 8.
+        with semantic.randomized(self.engine.lora_parameters(), std=0.05 if self.merge else 0.02):
             if self.merge:
                 self.rollout.apply(self._export_base()[0])
                 self._check_base()
