@@ -88,8 +88,12 @@ def model_on_views(model_path: str, dtype: torch.dtype, views: dict[str, torch.T
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head = model.get_output_embeddings().weight if tied else None  # tied to the input embedding below
     device = None
     for name, meta in list(model.named_parameters()):
+        if meta is head:
+            continue
         view = views.get(name)
         if view is None:
             raise ModelError(f"vLLM's engine holds no tensor for {name}; set backend.share_base=false")
@@ -100,7 +104,7 @@ def model_on_views(model_path: str, dtype: torch.dtype, views: dict[str, torch.T
             )
         bind(model, name, view)
         device = view.device
-    if getattr(model.config, "tie_word_embeddings", False):
+    if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     for module in model.modules():
         for key, buf in module.named_buffers(recurse=False):
