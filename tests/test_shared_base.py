@@ -251,6 +251,8 @@ def test_default_recipe_trains_the_same_with_one_copy_or_two(run_cache, tmp_path
             if key.startswith(("timing/", "perf/")) or "seconds" in key or not isinstance(value, (int, float)):
                 continue
             if key.startswith(("rollout_corr/", "sync/logprob_diff")):
-                assert value == pytest.approx(b[key], abs=1e-5), key
+                # Log-prob differences of ~1e-7 (their KL, chi2) and importance ratios 1 +- 1e-5
+                # (their spread): 1e-3 is far above that roundoff and far below a wrong weight.
+                assert value == pytest.approx(b[key], abs=1e-3), key
             else:
                 assert value == b[key], (key, value, b[key])
