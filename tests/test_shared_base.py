@@ -256,3 +256,24 @@ def test_default_recipe_trains_the_same_with_one_copy_or_two(run_cache, tmp_path
                 assert value == pytest.approx(b[key], abs=1e-3), key
             else:
                 assert value == b[key], (key, value, b[key])
+
+
+def test_worker_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_path):
+    """What a worker decides from the checkpoint: the tiny float32 Qwen2 shares on CPU, not when
+    vLLM is told another dtype; a bfloat16 checkpoint with rollout.dtype=auto (the GPU presets)
+    shares on a GPU, since vLLM then serves it in bfloat16; a MoE config on CPU does not."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    from lorarl.engines.shared_base import plan_for_worker
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert plan_for_worker(compose_run(f"model.path={tiny_model_path}"), cpu).shared
+    plan = plan_for_worker(compose_run(f"model.path={tiny_model_path}", "rollout.dtype=bfloat16"), cpu)
+    assert not plan.shared and "vLLM holds the base in bfloat16" in str(plan)
+    Qwen2Config(dtype="bfloat16").save_pretrained(tmp_path / "bf16")
+    run = compose_run(f"model.path={tmp_path / 'bf16'}", "model.dtype=bfloat16")
+    assert plan_for_worker(run, cuda).shared
+    assert "float32" in str(plan_for_worker(compose_run(f"model.path={tmp_path / 'bf16'}"), cuda))
+    Qwen3MoeConfig(num_experts=4, dtype="float32").save_pretrained(tmp_path / "moe")
+    plan = plan_for_worker(compose_run(f"model.path={tmp_path / 'moe'}", "model.lora.merge=false"), cpu)
+    assert not plan.shared and "fused-MoE" in str(plan)

@@ -126,11 +126,19 @@ def frozen_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:
 
 def plan_for_worker(run, device: torch.device) -> BasePlan:
     """plan_base with what a worker knows before it builds its engine: the device, the dtype vLLM
-    will hold the base in, and whether the checkpoint has routed experts."""
+    will hold the base in, and whether the checkpoint has routed experts (read from its config,
+    local or from the hub cache, as the sleep plan reads it)."""
+    from transformers import AutoConfig
+
     from lorarl.rollout.vllm_dtype import engine_dtype
-    from lorarl.sync.experts import is_moe_checkpoint
 
     m, r = run.model, run.rollout
-    cpu = device.type != "cuda"
-    dtype = engine_dtype(m.path, r.dtype, cpu, lora=not m.lora.merge) if not m.lora.merge else None
-    return plan_base(run, device.type, dtype, is_moe_checkpoint(m.path))
+    if m.lora.merge or not hasattr(run.backend, "share_base"):
+        return plan_base(run, device.type)  # two copies whatever the checkpoint
+    config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+    dtype = engine_dtype(m.path, r.dtype, device.type != "cuda", lora=True)
+    if dtype == "auto":  # vLLM serves a 16-bit checkpoint in its own dtype (float32 is resolved above)
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = str(saved).removeprefix("torch.") if saved is not None else "unknown"
+    moe = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
+    return plan_base(run, device.type, dtype, moe)
