@@ -145,6 +145,10 @@ def test_a_view_of_the_wrong_rows_is_seen_and_stopped_by_the_probe(cache):
         w.sync_session.set_probes(probes)
         with pytest.raises(SyncError, match="disagree on the probe"):
             w.sync_session.probe_if_due(SyncRequest(step=2, last=False), w.sync(SyncRequest(step=2, last=False)))
+        # A rollout that lost its base is never sent one: the trainer's base is vLLM's own.
+        w.rollout.base_loaded = False
+        with pytest.raises(SyncError, match="the base is shared with vLLM"):
+            w.sync(SyncRequest(step=3, last=False))
     finally:
         w.shutdown()
 
