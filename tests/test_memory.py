@@ -215,3 +215,25 @@ def test_the_switch_to_awake_needs_every_rank():
     from tests.test_fsdp_engine import ROOT, torchrun
 
     torchrun(2, script=ROOT / "tests" / "distributed" / "all_ranks_check.py", timeout=120)
+
+
+def test_a_shared_base_costs_the_trainer_no_copy_and_no_gathered_weights():
+    """backend.share_base: the trainer's frozen weights are vLLM's, so its own base copy is zero
+    (two copies: its FSDP shard, the model's parameters as transformers counts them, over the
+    ranks) and nothing is gathered, also under reshard_after_forward=false."""
+    from bench.common import SHAPES
+    from lorarl.config.compose import compose
+    from lorarl.memory import run_update_bytes, trainer_base_bytes
+
+    config = Qwen2Config(**SHAPES["qwen2.5-7b"])
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+    dims = ModelDims.of(config)
+    assert trainer_base_bytes(dims, 2, dp_size=1, shared=True) == 0
+    assert trainer_base_bytes(dims, 2, dp_size=2, shared=False) == numel * 2 // 2
+    run = compose(["+backend=fsdp", "model=qwen2_5_7b_instruct", "backend.reshard_after_forward=false"])
+    kept = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
+    shared = run_update_bytes(run, dims, dp_size=1, model_parallel=1, shared_base=True)
+    resharded = compose(["+backend=fsdp", "model=qwen2_5_7b_instruct"])
+    assert shared == run_update_bytes(resharded, dims, dp_size=1, model_parallel=1)
+    assert (kept - shared) / GIB == pytest.approx(numel * 2 / GIB, rel=0.01)

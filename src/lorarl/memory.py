@@ -137,8 +137,15 @@ def run_update_tokens(run, dp_size: int) -> int:
     return min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
 
 
-def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) -> int:
-    """`update_bytes` for a run's largest micro-batch on one device (`run_update_tokens`)."""
+def trainer_base_bytes(d: ModelDims, dtype_bytes: int, dp_size: int, shared: bool) -> int:
+    """The trainer's own copy of the frozen base on one device, beside vLLM's whole one: none when
+    it is a view of vLLM's (backend.share_base, lorarl.engines.shared_base), else its FSDP shard."""
+    return 0 if shared else weight_numel(d, tied_head=False) * dtype_bytes // dp_size
+
+
+def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int, shared_base: bool = False) -> int:
+    """`update_bytes` for a run's largest micro-batch on one device (`run_update_tokens`). With
+    `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes."""
     from lorarl.engines import backend_of
 
     d = run.data
@@ -156,7 +163,7 @@ def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int) ->
         model_parallel=model_parallel,
         head_at_every_position=backend.head_at_every_position,
         vocab_parallel=backend.head_at_every_position and getattr(run.backend, "tensor_model_parallel_size", 1) > 1,
-        gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False,
+        gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False and not shared_base,
         attention_scores_width=seq if getattr(run.backend, "transformer_impl", None) == "local" else 0,
     )
 

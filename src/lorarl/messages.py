@@ -76,6 +76,7 @@ class WorkerSetup:
     sleep_plan: str
     rollout_start_seconds: float  # the vLLM engine: weights, compile, KV cache, CUDA graphs
     engine_build_seconds: float  # the training engine: model, LoRA, sharding, optimizer
+    base_plan: str = ""  # one copy of the base or two, and why (lorarl.engines.shared_base)
 
 
 @dataclass(frozen=True)

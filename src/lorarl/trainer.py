@@ -188,7 +188,7 @@ class GRPOTrainer:
         say(f"workers: {describe_placement(self.workers.placement)}")
         node_ids = [where["node_id"] for where in self.workers.placement]
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
-        for plan in dict.fromkeys(self.workers.sleep_plans):
+        for plan in dict.fromkeys(self.workers.base_plans + self.workers.sleep_plans):
             say(plan)
         merge = self.run.model.lora.merge
         if self.run.trainer.check_sync and not backend_of(self.run).checks_meaning(merge):

@@ -26,6 +26,7 @@ from lorarl.checkpoint import load_engine_state, save_engine_state
 from lorarl.config.run import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
+from lorarl.engines.shared_base import plan_for_worker
 from lorarl.messages import (
     GenerateRequest,
     Rollouts,
@@ -37,6 +38,7 @@ from lorarl.messages import (
 )
 from lorarl.peft_io import save_peft_adapter
 from lorarl.rollout.sleep import RolloutSleep, can_sleep
+from lorarl.rollout.vllm_base_views import engine_base_views
 from lorarl.stall_report import stacks_after, stacks_file
 from lorarl.sync.session import SyncSession
 
@@ -139,6 +141,7 @@ class Worker:
         )
         seed_everything(self.run.trainer.seed + self.rank)
         r, m = self.run.rollout, self.run.model
+        self.base_plan = plan_for_worker(self.run, self.device)
         # vLLM first: on a GPU it sizes its KV cache from the memory still free.
         t0 = time.perf_counter()
         self.rollout = VLLMRollout(
@@ -159,14 +162,16 @@ class Worker:
             trust_remote_code=m.trust_remote_code,
             fingerprint_base=self.run.trainer.check_sync,
             engine_kwargs=r.engine_kwargs,
+            share_weights=self.base_plan.shared,
         )
         t1 = time.perf_counter()
-        self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed)
+        base = engine_base_views(self.rollout) if self.base_plan.shared else None
+        self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed, base=base)
         t2 = time.perf_counter()
         self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
         self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
         self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
-        return WorkerSetup(self.dp_rank, self.dp_size, str(self.sleep.plan), t1 - t0, t2 - t1)
+        return WorkerSetup(self.dp_rank, self.dp_size, str(self.sleep.plan), t1 - t0, t2 - t1, str(self.base_plan))
 
     @property
     def rollout_rank(self) -> int:
@@ -300,11 +305,13 @@ class Worker:
         gc.collect()
 
 
-def make_engine(run: RunConfig, device: torch.device, *, seed: int) -> Engine:
+def make_engine(run: RunConfig, device: torch.device, *, seed: int, base: dict | None = None) -> Engine:
     """The training engine the backend names (lorarl.engines.BACKENDS). An engine reads its own
     groups of `run` (model, actor, backend) at construction; what it needs from elsewhere is
-    passed: the seed here, a step's values in the call (lorarl.algorithms.ppo passes the request's Sampling)."""
-    return backend_of(run).engine_class()(run, device, seed=seed)
+    passed: the seed here, the shared base's views (lorarl.engines.shared_base) when it has one,
+    a step's values in the call (lorarl.algorithms.ppo passes the request's Sampling)."""
+    shared = {} if base is None else {"base": base}
+    return backend_of(run).engine_class()(run, device, seed=seed, **shared)
 
 
 # Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink

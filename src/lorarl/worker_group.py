@@ -181,6 +181,7 @@ class WorkerGroup:
         setups = self._get([w.setup.remote(addr, port) for w in self.workers], "set-up")
         self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
         self.sleep_plans = [s.sleep_plan for s in setups]
+        self.base_plans = [s.base_plan for s in setups]
         # The slowest worker's stages: the others wait for it at the first collective.
         self.startup.update(
             {

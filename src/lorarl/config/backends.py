@@ -35,6 +35,12 @@ class FSDPBackendConfig:
     # Off: at 7B on one H200 the update took 2.76 against 2.79 s, within the spread
     # (bench/results/update_profile_2026-12-04b).
     fused_lora: bool = MISSING
+    # auto | true | false. Shared: the trainer's frozen base is a view of the colocated vLLM
+    # engine's weights (one copy per device, no base load, shard, all-gather or sync; only the LoRA
+    # parameters are FSDP's). auto shares wherever it can and says why not once at start-up
+    # (merged sync, rollout TP > 1, dummy load, param offload, a dtype that differs, MoE on CPU);
+    # true there is an error (lorarl.engines.shared_base).
+    share_base: Any = MISSING
 
     def model_parallel_size(self) -> int:
         """Devices that hold one model replica (and see the same data)."""
@@ -42,6 +48,7 @@ class FSDPBackendConfig:
 
     def check(self) -> None:
         one_of("backend.strategy", self.strategy, ("fsdp2",))
+        one_of("backend.share_base", self.share_base, ("auto", True, False))
         one_of("backend.mixed_precision", self.mixed_precision, ("float32", "bfloat16"))
 
 

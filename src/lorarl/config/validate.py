@@ -102,6 +102,9 @@ def validate(run: RunConfig) -> None:
     )
     if isinstance(run.backend, MegatronBackendConfig):
         check_megatron(run)
+    from lorarl.engines.shared_base import plan_base
+
+    plan_base(run)  # backend.share_base=true where the config alone rules it out
 
 
 def check_batch_split(run: RunConfig) -> None:

@@ -36,6 +36,7 @@ from lorarl.engines.base import (
 from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
+from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync.payload import PayloadKind, WeightPayload
@@ -46,20 +47,24 @@ PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_lora_model(run: RunConfig, device: torch.device):
-    """HF causal LM with a PEFT LoRA adapter, on CPU, ready to shard."""
+def load_lora_model(run: RunConfig, device: torch.device, base: dict[str, torch.Tensor] | None = None):
+    """HF causal LM with a PEFT LoRA adapter, ready to shard: loaded on CPU, or over `base`'s views."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     m = run.model
     liger = use_liger_kernel(run, device)  # a setting this device cannot run fails before any load
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            m.path,
-            dtype=DTYPES[m.dtype],
-            trust_remote_code=m.trust_remote_code,
-            attn_implementation="sdpa",
-            use_safetensors=True,
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                m.path,
+                dtype=DTYPES[m.dtype],
+                trust_remote_code=m.trust_remote_code,
+                attn_implementation="sdpa",
+                use_safetensors=True,
+            )
+            if base is None
+            else model_on_views(m.path, DTYPES[m.dtype], base, m.trust_remote_code)
         )
     except (OSError, ValueError) as err:
         raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
@@ -104,22 +109,24 @@ def takes_prepared_masks(config) -> bool:
 
 
 class FSDPEngine:
-    def __init__(self, run: RunConfig, device: torch.device, *, seed: int | None = None):
+    def __init__(self, run: RunConfig, device: torch.device, *, seed: int | None = None, base: dict | None = None):
         """`run` for its model, actor and backend groups. `seed` is taken for the engines' common
         constructor and not used: LoRA's init draws from the process RNG the worker and vLLM
-        seeded (lorarl.worker.Worker.setup)."""
+        seeded (lorarl.worker.Worker.setup). `base`: the shared base's views (load_lora_model);
+        each rank then holds the whole base and FSDP manages only the LoRA parameters."""
         self.run = run
         self.device = device
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         on_gpu = device.type == "cuda"
-        peft_model = load_lora_model(run, device)
+        peft_model = load_lora_model(run, device, base)
         b = run.backend
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[b.mixed_precision] if on_gpu else None,
             reduce_dtype=torch.float32,
         )
         kwargs = dict(mp_policy=mp, reshard_after_forward=b.reshard_after_forward)
+        kwargs["ignored_params"] = frozen_params(peft_model) if base is not None else None
         if on_gpu and (b.param_offload or b.optimizer_offload):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         mesh = dist.device_mesh.init_device_mesh(device.type, (self.world,))

@@ -65,7 +65,11 @@ class RolloutSleep:
         m = self.run.model
         hf_config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
         return memory.run_update_bytes(
-            self.run, memory.ModelDims.of(hf_config), self.dp_size, self.run.backend.model_parallel_size()
+            self.run,
+            memory.ModelDims.of(hf_config),
+            self.dp_size,
+            self.run.backend.model_parallel_size(),
+            shared_base=getattr(self.rollout, "base_shared", False),
         )
 
     def sleep(self) -> float:

@@ -27,7 +27,7 @@ from lorarl.config.schema import vllm_lora_rank
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_engine_args, vllm_worker
+from lorarl.rollout import engine_process, vllm_base_views, vllm_engine_args, vllm_worker
 from lorarl.rollout.vllm_dtype import engine_dtype
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
@@ -68,6 +68,7 @@ class VLLMRollout(FingerprintReads):
         trust_remote_code: bool = False,
         engine_kwargs: dict | None = None,
         fingerprint_base: bool = False,
+        share_weights: bool = False,
     ) -> None:
         """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
         `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
@@ -88,6 +89,8 @@ class VLLMRollout(FingerprintReads):
         self.adapter_transport: AdapterTransport = adapter_transport
         self.enable_sleep_mode = enable_sleep_mode
         self.base_loaded = load_format != "dummy"
+        # The trainer computes with this engine's weights: kept readable, never slept (vllm_base_views).
+        self.base_shared = share_weights
         self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
         self._adapter_dir: Path | None = None
         self._param_names: frozenset[str] | None = None  # read from the live engine on first need
@@ -124,7 +127,7 @@ class VLLMRollout(FingerprintReads):
         )
 
         engine_process.first_engine_in_process()
-        with engine_process.process_state_kept():
+        with engine_process.process_state_kept(), vllm_base_views.dense_linear_weights(share_weights):
             self._llm = LLM(**kwargs)
         if self.lora_enabled and adapter_transport == "tmpfs":
             self._adapter_dir = engine_process.make_adapter_dir()
@@ -451,6 +454,8 @@ class VLLMRollout(FingerprintReads):
     def sleep(self, level: int | None = None) -> None:
         if not self.enable_sleep_mode:
             raise ConfigError("rollout.enable_sleep_mode is false; this engine cannot sleep")
+        if self.base_shared:  # the trainer computes with these weights while the engine sleeps
+            return self._asleep.update(vllm_base_views.release_kv_cache(self.llm))
         level = self.sleep_level if level is None else level
         if level not in (1, 2):
             raise ConfigError(f"sleep level {level} is not 1 or 2")

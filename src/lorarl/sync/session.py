@@ -22,6 +22,7 @@ import torch
 from lorarl.config.run import RunConfig
 from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
+from lorarl.errors import SyncError
 from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic, transport
 from lorarl.sync.faults import SyncFault
@@ -66,6 +67,8 @@ class SyncSession:
         stats: list[SyncStats] = []
         checks: dict = {}
         if self.merge or not self.rollout.base_loaded:
+            if getattr(self.rollout, "base_shared", False):  # lorarl.engines.shared_base: never sent
+                raise SyncError("the base is shared with vLLM and must stay loaded there, but the rollout lost it")
             if self.merge and self.semantic and not self._self_tested:
                 self._self_test()
             payload, gather_s = self._export_base()

@@ -1,0 +1,110 @@
+"""backend.share_base on a GPU: what vLLM's CPU build cannot show.
+
+Run on the accelerator machine after ../shared/tools/gpu-vllm/install.sh:
+
+    pytest -m gpu tests/gpu/test_shared_base_gpu.py -s
+
+- 0.5B shape, bf16, the rollout asleep during every update (rollout.free_cache_engine=true): the
+  sleep frees the KV cache and leaves every shared weight where it is (same storage spans, same
+  values, read in place), the update runs on vLLM's own weights, the wake brings the cache back,
+  and the semantic check and the log-prob probe pass after each sync.
+- Tiny Qwen3-MoE, adapter sync: the expert stacks are vLLM's fused-MoE w13/w2 themselves (vLLM's
+  GPU build keeps its loaded layout), their values the checkpoint's, and a sync passes the checks.
+CPU counterparts: tests/test_shared_base.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorarl.messages import SyncRequest
+from tests.test_shared_base import differ_from_checkpoint, train_step, unshared
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LORARL_CACHE", "/tmp/lcache"))
+
+
+def gpu_worker(model_path: Path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lorarl.config.compose import to_run_config
+    from lorarl.worker import Worker
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "grpo",
+            overrides=[
+                "+backend=fsdp",
+                "trainer.experiment_name=x",
+                "trainer.device=cuda",
+                f"model.path={model_path}",
+                "rollout.gpu_memory_utilization=0.4",
+                *overrides,
+            ],
+        )
+    GlobalHydra.instance().clear()
+    w = Worker(to_run_config(cfg), rank=0, world_size=1, device="cuda")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w.setup("127.0.0.1", port)
+    return w
+
+
+def test_sleep_frees_only_the_kv_cache_and_the_shared_weights_stay():
+    from bench.common import shaped_model
+
+    model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")
+    w = gpu_worker(model, "model=qwen2_5_0_5b_instruct", "rollout.free_cache_engine=true")
+    try:
+        assert w.base_plan.shared and w.sleep.sleeps, (w.base_plan, w.sleep.plan)
+        assert unshared(w) == [] and differ_from_checkpoint(w) == []
+        gen = torch.Generator().manual_seed(0)
+        w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
+        first = w.sync(SyncRequest(step=0, last=False))
+        assert first.kind == "adapter" and first.adapter_meaning == 1.0
+        for step in (1, 2):
+            torch.cuda.synchronize()
+            free_awake = torch.cuda.mem_get_info()[0]
+            w.sleep.sleep()  # what the worker's update does first
+            torch.cuda.synchronize()
+            freed = torch.cuda.mem_get_info()[0] - free_awake
+            assert freed > 1 << 30, f"the sleep freed only {freed / 2**30:.2f} GiB"
+            assert w.rollout.base_loaded and unshared(w) == []
+            assert differ_from_checkpoint(w) == []  # read in place while asleep: never unmapped
+            report = train_step(w, step)  # updates on vLLM's weights, then wakes and syncs
+            w.sync_session.probe_if_due(SyncRequest(step=step, last=True), report)
+            assert report.kind == "adapter" and report.adapter_meaning == 1.0
+            assert report.logprob_diff_max is not None
+            assert unshared(w) == [] and differ_from_checkpoint(w) == []
+    finally:
+        w.shutdown()
+
+
+def test_moe_expert_stacks_are_vllms_fused_moe_weights(lorarl_cache):
+    from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
+
+    model = ensure_tiny_model(default_tiny_model_path(arch="qwen3_moe"), arch="qwen3_moe")
+    w = gpu_worker(model, "model=qwen3_moe_tiny", "model.lora.merge=false", "model.dtype=bfloat16")
+    try:
+        assert w.base_plan.shared, w.base_plan
+        assert unshared(w) == [] and differ_from_checkpoint(w) == []
+        experts = [n for n, p in w.engine.model.named_parameters() if not p.requires_grad and ".experts." in n]
+        assert experts, "no expert stack was bound"
+        report = w.sync(SyncRequest(step=0, last=False))
+        assert report.kind == "adapter" and report.adapter_meaning == 1.0
+    finally:
+        w.shutdown()
