@@ -129,7 +129,7 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
 def test_the_largest_micro_batch_a_run_allows():
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_tokens
+    from lorarl.prepare import run_update_tokens
 
     budget = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
     assert run_update_tokens(budget, dp_size=1) == 4096
@@ -146,7 +146,7 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     'the update needs ~35.1 GiB' at 7B, ~54.1 at 0.5B, both then run awake without running out)."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
     dims = ModelDims.of(Qwen2Config(**SHAPES[shape]))
@@ -159,7 +159,7 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     bench/results/update_profile_2026-12-04c); the estimate adds the model's bf16 weights."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-7b"]))
     need = [
@@ -182,7 +182,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))
     work = ["model=qwen2_5_0_5b_instruct", "data.max_response_length=128"]

@@ -67,6 +67,25 @@ class UpdateRequest:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where Ray placed a worker (Worker.location): its node's id and IP, its process id, and the
+    GPUs it sees (empty on CPU)."""
+
+    node_id: str
+    ip: str
+    pid: int
+    gpus: list[str]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the workers' process group meets (Worker.setup): rank 0's address and a free port."""
+
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
 class WorkerSetup:
     """A worker after setup: its data-parallel place, whether its rollout sleeps during the
     update (a line for the log), and how long its two start-up stages took."""

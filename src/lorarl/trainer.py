@@ -25,37 +25,13 @@ from lorarl.algorithms import advantages
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
-from lorarl.config.validate import check_model_shape_of
-from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
 from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
-from lorarl.tracking import Tracker, check_loggers, console, redact
+from lorarl.tracking import Tracker, console, redact
 
-
-def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        from lorarl.errors import ConfigError
-
-        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
-    return requested
-
-
-def prepare_model(run: RunConfig) -> str:
-    """Local path of the model, building the embedded one on first use.
-
-    The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
-    gives means that model, so a mistyped one fails in preflight instead of training a toy."""
-    from lorarl.config.schema import cache_dir
-
-    path = os.path.expanduser(run.model.path)
-    if run.model.builder is not None and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
-        from lorarl.models.tiny import ensure_built
-
-        ensure_built(run.model.builder, path, seed=0)
-    run.model.path = path
-    return path
+# Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
+# time, so validation numbers of two steps differ only by the weights.
+VALIDATION_SEED = 12345
 
 
 def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int:
@@ -78,38 +54,6 @@ def sampling_of(run: RunConfig) -> Sampling:
     )
 
 
-def prepare_data(run: RunConfig) -> None:
-    """Expand the data paths and check that each file the run reads exists.
-
-    A generator (data.generator) writes its task only inside the lorarl cache, where its data
-    preset puts it: a path the user gives means that file, so a mistyped one fails here in one
-    line, before anything starts, and nothing is written there."""
-    from lorarl.config.schema import cache_dir
-    from lorarl.errors import DataError
-
-    d = run.data
-    d.train_files = [os.path.expanduser(f) for f in d.train_files]
-    d.val_files = [os.path.expanduser(f) for f in d.val_files]
-    cache = Path(cache_dir()).absolute()
-    if d.generator is not None and Path(d.train_files[0]).absolute().is_relative_to(cache):
-        from lorarl.data import dataset, token_share
-
-        ensure = {"arith": dataset.ensure_arith_parquet, "token_share": token_share.ensure_parquet}[d.generator]
-        if not d.val_files:
-            d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        if Path(d.val_files[0]).absolute().is_relative_to(cache):
-            ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
-    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
-    read = [("data.train_files", d.train_files)] + ([("data.val_files", d.val_files)] if validation else [])
-    for key, files in read:
-        for file in files:
-            if not Path(file).is_file():
-                raise DataError(
-                    f"{key}: data file {file!r} not found; fix the path, or write the file with "
-                    f"scripts/prepare_gsm8k.py or scripts/prepare_math.py (docs/data.md)"
-                )
-
-
 def run(cfg: DictConfig) -> float | None:
     """Entry point behind `python -m recipes.grpo`: returns the final mean reward."""
     from hydra.core.hydra_config import HydraConfig
@@ -125,39 +69,22 @@ def run(cfg: DictConfig) -> float | None:
 
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
-        from lorarl.data.batches import prompt_batches
-        from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
-        from lorarl.rewards import check_items
+        from lorarl.prepare import prepare
 
-        t0 = time.perf_counter()
         self.run = run
         self.out_dir = Path(out_dir)
         self.workers = None
         self.tracker = None
-        self.device = resolve_device(run.trainer.device)
-        backend = backend_of(run)
-        if backend.needs_cuda and self.device != "cuda":
-            from lorarl.errors import ConfigError
-
-            why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"trainer.device={run.trainer.device}"
-            raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
-        prepare_model(run)
-        prepare_data(run)
-        check_loggers(run.trainer.logger)
-        # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
-        hf_cfg = check_model(run)
-        check_engine_kwargs(run)
-        check_model_shape_of(run, hf_cfg)
-        self.tokenizer = load_tokenizer(run)
-        d = run.data
-
-        validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
-        # DAPO oversampling: each generation round draws data.gen_batch_size prompts (prompt_batches).
-        self.loader, self.val_items, self.dropped_prompts = prompt_batches(
-            d, self.tokenizer, run.trainer.seed, validation
+        # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
+        prepared = prepare(run)
+        self.device = prepared.device
+        self.worker_spec = prepared.worker_spec
+        self.tokenizer = prepared.tokenizer
+        self.loader, self.val_items, self.dropped_prompts = (
+            prepared.loader,
+            prepared.val_items,
+            prepared.dropped_prompts,
         )
-        for items in (self.loader.items, self.val_items):
-            check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         self.sampling = sampling_of(run)
@@ -167,7 +94,7 @@ class GRPOTrainer:
         )
         self.ckpt.clean_partial()
         self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
-        self.prepare_seconds = time.perf_counter() - t0  # model, data and tokenizer checks
+        self.prepare_seconds = prepared.seconds
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -183,18 +110,15 @@ class GRPOTrainer:
         )
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
-        self.workers = WorkerGroup(self.run, self.device, run_dir=self.out_dir, say=say)
+        self.workers = WorkerGroup(self.run, self.worker_spec, self.device, run_dir=self.out_dir, say=say)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
         say(f"workers: {describe_placement(self.workers.placement)}")
-        node_ids = [where["node_id"] for where in self.workers.placement]
+        node_ids = [where.node_id for where in self.workers.placement]
         placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
-        if (
-            self.run.trainer.check_sync
-            and not backend_of(self.run).semantic_sync_check
-            and not self.run.model.lora.merge
-        ):
+        sync = self.worker_spec.sync
+        if sync.check and not sync.semantic and not sync.merge:
             say(
                 f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet "
                 "(sync/adapter_meaning); the transport fingerprint and the probe check each sync"
@@ -429,7 +353,13 @@ class GRPOTrainer:
         gen = self.workers.generate(
             [
                 GenerateRequest(
-                    [p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i, False
+                    prompt_ids=[p.prompt_ids for p in shard],
+                    n=vk.n,
+                    temperature=temperature,
+                    top_p=vk.top_p,
+                    max_tokens=d.max_response_length,
+                    seed=VALIDATION_SEED + i,
+                    for_training=False,
                 )
                 for i, shard in enumerate(shards)
             ],

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from lorarl.algorithms.batch import build_batch
 from lorarl.algorithms.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.checkpoint import load_engine_state, save_engine_state
-from lorarl.config.run import RunConfig
-from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
 from lorarl.messages import (
     GenerateRequest,
+    Placement,
+    Rendezvous,
     Rollouts,
     SyncReport,
     SyncRequest,
@@ -36,7 +36,8 @@ from lorarl.messages import (
     WorkerSetup,
 )
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout.sleep import RolloutSleep, can_sleep
+from lorarl.rollout.sleep import RolloutSleep
+from lorarl.specs import EngineSpec, WorkerSpec
 from lorarl.stall_report import stacks_after, stacks_file
 from lorarl.sync.session import SyncSession
 
@@ -53,7 +54,7 @@ def watched(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with stacks_after(self.stacks_path, self.run.trainer.stall_report_s):
+        with stacks_after(self.stacks_path, self.spec.stall_report_s):
             return method(self, *args, **kwargs)
 
     return call
@@ -62,14 +63,16 @@ def watched(method):
 class Worker:
     def __init__(
         self,
-        run: RunConfig,
+        spec: WorkerSpec,
+        *,
         rank: int,
         world_size: int,
         device: str,
         threads: int | None = None,
         run_dir: str | None = None,
     ):
-        self.run = run
+        """`spec`: all of the run's configuration this worker reads (lorarl.prepare builds it)."""
+        self.spec = spec
         self.rank = rank
         self.stacks_path = stacks_file(Path(run_dir), rank) if run_dir is not None else None
         self.world_size = world_size
@@ -82,17 +85,17 @@ class Worker:
         self.sync_session: SyncSession | None = None
 
     # Ray calls these on every worker before anything else.
-    def location(self) -> dict:
+    def location(self) -> Placement:
         """Where Ray placed this worker: node id and IP, process id, and its GPUs (empty on CPU)."""
         import ray
 
         ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
-        }
+        return Placement(
+            node_id=ctx.get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            gpus=[str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+        )
 
     def free_port(self) -> int:
         """A TCP port free on this worker's node, for the process group's rendezvous (rank 0)."""
@@ -103,18 +106,20 @@ class Worker:
             return s.getsockname()[1]
 
     @watched
-    def setup(self, master_addr: str, master_port: int) -> WorkerSetup:
+    def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, rollout, then engine."""
         from lorarl.rollout.vllm import VLLMRollout
 
-        tp = self.run.rollout.tensor_model_parallel_size
+        master_addr, master_port = rendezvous.master_addr, rendezvous.master_port
+        spec = self.spec
+        tp = spec.rollout.tensor_parallel_size
         if tp > 1:
             # Consecutive ranks share one vLLM engine, each holding its tensor-parallel shard
             # (vLLM's external_launcher: one engine per process, the ranks found in the
             # torchrun variables and the process group made below). Each process sees its own
             # device only (Ray sets CUDA_VISIBLE_DEVICES per worker), so its local rank is 0 on
             # GPU; on CPU the rank within the node picks the cores vLLM binds its threads to.
-            local = 0 if self.device.type == "cuda" else self.rank % self.run.trainer.n_gpus_per_node
+            local = 0 if self.device.type == "cuda" else self.rank % spec.rollout.n_gpus_per_node
             os.environ.update(
                 RANK=str(self.rank),
                 LOCAL_RANK=str(local),
@@ -137,41 +142,33 @@ class Worker:
             world_size=self.world_size,
             device_id=self.device if cuda else None,
         )
-        seed_everything(self.run.trainer.seed + self.rank)
-        r, m = self.run.rollout, self.run.model
+        seed_everything(spec.seed + self.rank)
         # vLLM first: on a GPU it sizes its KV cache from the memory still free.
         t0 = time.perf_counter()
         self.rollout = VLLMRollout(
-            m.path,
-            lora_rank=None if m.lora.merge else m.lora.rank,
-            max_model_len=r.max_model_len or (self.run.data.max_prompt_length + self.run.data.max_response_length),
-            # The ranks of one engine sample in lockstep, so they share its seed.
-            seed=self.run.trainer.seed + self.rollout_rank,
-            dtype=r.dtype,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            tensor_parallel_size=r.tensor_model_parallel_size,
-            enable_expert_parallel=r.enable_expert_parallel,
-            load_format=r.load_format,
-            # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
-            enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
-            enable_sleep_mode=can_sleep(self.run, self.device),
-            adapter_transport=r.adapter_transport,
-            trust_remote_code=m.trust_remote_code,
-            fingerprint_base=self.run.trainer.check_sync,
-            engine_kwargs=r.engine_kwargs,
+            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
+            spec.rollout.engine_args[self.rollout_rank],
+            adapter_transport=spec.rollout.adapter_transport,
+            fingerprint_base=spec.rollout.fingerprint_base,
         )
         t1 = time.perf_counter()
-        self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed)
+        self.engine = make_engine(spec.engine, self.device)
         t2 = time.perf_counter()
-        self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
-        self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
-        self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
-        return WorkerSetup(self.dp_rank, self.dp_size, str(self.sleep.plan), t1 - t0, t2 - t1)
+        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
+        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
+        self.correction = Correction.of(spec.rollout_correction, self.device.type)
+        return WorkerSetup(
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            sleep_plan=str(self.sleep.plan),
+            rollout_start_seconds=t1 - t0,
+            engine_build_seconds=t2 - t1,
+        )
 
     @property
     def rollout_rank(self) -> int:
         """Which vLLM engine this worker holds a shard of; the workers of one engine get the same prompts."""
-        return self.rank // self.run.rollout.tensor_model_parallel_size
+        return self.rank // self.spec.rollout.tensor_parallel_size
 
     @property
     def dp_rank(self) -> int:
@@ -205,7 +202,7 @@ class Worker:
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
-        a, temperature = self.run.actor, request.sampling.temperature
+        a, temperature = self.spec.engine.actor, request.sampling.temperature
         timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -219,7 +216,7 @@ class Worker:
             self.engine.left_pad_prompts,
             request.rollout_logprobs,
         )
-        if needs_old_logp(a, self.run.data.train_batch_size, self.correction):
+        if needs_old_logp(a, self.spec.train_batch_size, self.correction):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["old_logp_seconds"] = time.perf_counter() - t0
@@ -300,11 +297,11 @@ class Worker:
         gc.collect()
 
 
-def make_engine(run: RunConfig, device: torch.device, *, seed: int) -> Engine:
-    """The training engine the backend names (lorarl.engines.BACKENDS). An engine reads its own
-    groups of `run` (model, actor, backend) at construction; what it needs from elsewhere is
-    passed: the seed here, a step's values in the call (lorarl.algorithms.ppo passes the request's Sampling)."""
-    return backend_of(run).engine_class()(run, device, seed=seed)
+def make_engine(spec: EngineSpec, device: torch.device) -> Engine:
+    """The training engine the spec names (lorarl.engines.BACKENDS), built from its spec (model,
+    actor and backend groups, the seed); a step's values come in the call (lorarl.algorithms.ppo
+    passes the request's Sampling)."""
+    return spec.engine_class()(spec, device)
 
 
 # Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink

@@ -22,6 +22,7 @@ from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
 from lorarl.config.run import RunConfig
 from lorarl.engines.fsdp import FSDPEngine, peft_name
+from lorarl.prepare import engine_spec
 from lorarl.sync import semantic
 from lorarl.sync.payload import PayloadKind
 
@@ -82,7 +83,7 @@ def main(model_path: str, out: str) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     out_dir = Path(out)
-    engine = FSDPEngine(make_run(model_path, world), torch.device("cpu"))
+    engine = FSDPEngine(engine_spec(make_run(model_path, world), "cpu"), torch.device("cpu"))
     randomize_lora(engine)
 
     adapters, timings = {}, {}
@@ -118,7 +119,9 @@ def main(model_path: str, out: str) -> None:
     # the engine's own attention mask is used (single rows are trimmed to no padding at all).
     # Parameters stay unsharded between forwards, and a reference pass comes between two
     # updates, as in every step with a KL loss.
-    padded_engine = FSDPEngine(make_run(model_path, world, micro=2, reshard=False), torch.device("cpu"))
+    padded_engine = FSDPEngine(
+        engine_spec(make_run(model_path, world, micro=2, reshard=False), "cpu"), torch.device("cpu")
+    )
     randomize_lora(padded_engine)
     policy_padded = log_probs_at_temperature(padded_engine, left)
     left.old_logp, left.ref_logp = policy_padded, log_probs_at_temperature(padded_engine, left, reference=True)
@@ -127,7 +130,7 @@ def main(model_path: str, out: str) -> None:
     log_probs_at_temperature(padded_engine, left, reference=True)
     metrics_padded_again = update(padded_engine, left, 2)
 
-    merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
+    merged_engine = FSDPEngine(engine_spec(make_run(model_path, world, merge=True), "cpu"), torch.device("cpu"))
     randomize_lora(merged_engine)
     merged_payload, _ = merged_engine.export(PayloadKind.BASE)
     merged = dict(merged_payload.tensors)
