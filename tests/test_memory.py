@@ -104,11 +104,14 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
     from lorarl.config.compose import compose
     from lorarl.messages import SyncReport
+    from lorarl.prepare import run_update_tokens
     from lorarl.rollout.sleep import RolloutSleep
+    from lorarl.specs import SleepSpec
 
     sleep = RolloutSleep.__new__(RolloutSleep)  # the GPU-only setup replaced by its outcome
-    sleep.run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
-    sleep.device, sleep.dp_size = torch.device("cpu"), 1
+    run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
+    sleep.spec = SleepSpec(None, update_bytes=60 * GIB, update_tokens=run_update_tokens(run, dp_size=1))
+    sleep.device = torch.device("cpu")
     sleep.plan, sleep._free_awake = plan_sleep(None, 70 * GIB, 60 * GIB), 70 * GIB
     sleep._update_peak, sleep._some_rank_sleeps, sleep._said_still_asleep = None, True, False
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
