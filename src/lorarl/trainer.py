@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lorarl import metrics as keys
 from lorarl.algorithms import advantages
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config.compose import to_run_config
@@ -114,7 +115,7 @@ class GRPOTrainer:
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
         say(f"workers: {describe_placement(self.workers.placement)}")
         node_ids = [where.node_id for where in self.workers.placement]
-        placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
+        placement = {keys.INIT_NUM_NODES.key: len(set(node_ids)), keys.INIT_WORKER_NODE_IDS.key: ",".join(node_ids)}
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
         sync = self.worker_spec.sync
@@ -137,7 +138,7 @@ class GRPOTrainer:
         # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
         pending = startup_row if 0 < self.step < self.total_steps else {}
         if not pending:
-            self.tracker.log(startup_row, step=self.step)
+            self.log(startup_row, step=self.step)
         say(
             f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
@@ -147,7 +148,7 @@ class GRPOTrainer:
             f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
         if tc.val_before_train and self.val_items and not resumed:
-            self.tracker.log(self.validate(), step=0)
+            self.log(self.validate(), step=0)
         last_reward = None
         bar = tqdm(
             total=self.total_steps, initial=self.step, desc="grpo", disable=not tc.progress_bar, dynamic_ncols=True
@@ -163,14 +164,14 @@ class GRPOTrainer:
                 ):
                     metrics.update(self.validate())
                 if tc.save_freq > 0 and (self.step % tc.save_freq == 0 or self.step == self.total_steps):
-                    metrics["timing/save"] = self.save_checkpoint()
+                    metrics[keys.TIMING_SAVE.key] = self.save_checkpoint()
             except LorarlError as err:
                 raise type(err)(self._stopped_at(err)) from err
             if sync.sleep_plan:
                 say(f"step {self.step}: from the next step the {sync.sleep_plan}")
-            self.tracker.log({**pending, **metrics}, step=self.step)
+            self.log({**pending, **metrics}, step=self.step)
             pending = {}
-            last_reward = metrics["reward/mean"]
+            last_reward = metrics[keys.REWARD_MEAN.key]
             bar.update(1)
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
         bar.close()
@@ -184,6 +185,10 @@ class GRPOTrainer:
             plots = plot(self.out_dir)
             say(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
         return last_reward
+
+    def log(self, row: dict, step: int) -> None:
+        """One row of metrics. Every key is one of lorarl.metrics' list (a KeyError names one that is not)."""
+        self.tracker.log({keys.checked(k): v for k, v in row.items()}, step=step)
 
     def _stopped_at(self, err: LorarlError) -> str:
         """The error with the step it stopped at and the checkpoint a relaunch would resume from."""
@@ -233,26 +238,26 @@ class GRPOTrainer:
         lengths = [len(s) for g in groups for s in g.samples]
         replicas = [report.metrics() for report in train]
         metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "response_length/mean": sum(lengths) / len(lengths),
-            "response_length/max": max(lengths),
+            keys.REWARD_MEAN.key: float(rewards.mean()),
+            keys.REWARD_STD.key: float(rewards.std()) if len(rewards) > 1 else 0.0,
+            keys.RESPONSE_LENGTH_MEAN.key: sum(lengths) / len(lengths),
+            keys.RESPONSE_LENGTH_MAX.key: max(lengths),
             **reduce_metrics({k: [replica[k] for replica in replicas] for k in replicas[0]}),
             **sync.metrics(),
         }
         fg = self.run.algorithm.filter_groups
         if fg.enable:
-            metrics["data/gen_rounds"] = gen_rounds
-            metrics["data/groups_with_signal"] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
+            metrics[keys.DATA_GEN_ROUNDS.key] = gen_rounds
+            metrics[keys.DATA_GROUPS_WITH_SIGNAL.key] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
         if self.run.algorithm.overlong_buffer.enable:
             penalties = [p for g in groups for p in g.overlong]
-            metrics["reward/overlong_reward"] = sum(penalties) / len(penalties)
-            metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(penalties)
-        metrics["timing/gen"] = t_gen
-        metrics["timing/train"] = t_update
-        metrics["timing/sync"] = t_sync
-        metrics["timing/step"] = time.perf_counter() - t_step
-        metrics["data/epoch"] = self.loader.epoch
+            metrics[keys.REWARD_OVERLONG_REWARD.key] = sum(penalties) / len(penalties)
+            metrics[keys.REWARD_OVERLONG.key] = sum(p < 0 for p in penalties) / len(penalties)
+        metrics[keys.TIMING_GEN.key] = t_gen
+        metrics[keys.TIMING_TRAIN.key] = t_update
+        metrics[keys.TIMING_SYNC.key] = t_sync
+        metrics[keys.TIMING_STEP.key] = time.perf_counter() - t_step
+        metrics[keys.DATA_EPOCH.key] = self.loader.epoch
         return metrics, sync
 
     def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
@@ -371,7 +376,7 @@ class GRPOTrainer:
                 texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
                 token_ids.append([list(s) for s in samples])
         out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids)
-        out["timing/val"] = time.perf_counter() - t0
+        out[keys.TIMING_VAL.key] = time.perf_counter() - t0
         return out
 
     def close(self) -> None:

@@ -225,12 +225,12 @@ class Worker:
             batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
             timing["ref_logp_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
+        stats = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
         timing["update_seconds"] = time.perf_counter() - t0
-        report = UpdateReport.of(metrics, **timing)
+        report = UpdateReport(ppo=stats, **timing)
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(report.micro_batch_tokens_max))
+            self.sleep.record_update(highest - before, int(stats.micro_batch_tokens_max))
             report.max_allocated_gib = highest / 2**30
             report.update_peak_gib = (highest - before) / 2**30
             report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)

@@ -37,7 +37,7 @@ def update(engine, batch, step: int) -> dict:
 
     run = engine.run
     correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction).metrics()
 
 
 def log_probs_at_temperature(engine, batch, **kw):

@@ -129,7 +129,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
         batch.old_logp = engine.log_probs(batch, temperature=temp)
         batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction).metrics()
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics
