@@ -48,3 +48,27 @@ def test_two_workers_share_one_engine_with_tensor_parallel_2(run_cache, tmp_path
     assert steps_on_disk(run / "checkpoints") == [2]
     # vLLM's CPU tensor-parallel shared memory leaves no names behind (a second run failed on them).
     assert cpu_shm_names() <= before
+
+
+def test_merged_sync_over_tensor_parallel_2_passes_the_merged_semantic_check(run_cache, tmp_path):
+    """Merged sync into a TP=2 engine: each rank reads its half of every served weight (q/k/v and
+    gate/up rows, o_proj/down_proj columns) and the ranks add them up; the merged check passes on
+    both ranks, and a missing v_proj delta fails the first sync naming it."""
+    run = tmp_path / "run"
+    common = (
+        "trainer.n_gpus_per_node=2",
+        "rollout.tensor_model_parallel_size=2",
+        "actor.ppo_micro_batch_size_per_gpu=4",
+    )
+    out = grpo(run, run_cache, *common, "model.lora.merge=true", "trainer.total_steps=2")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in [rows[0], *steps]:
+        prefix = "init/sync/" if r["step"] == 0 else "sync/"
+        assert r[prefix + "weights_match"] == 1.0 and r[prefix + "adapter_meaning"] == 1.0, r
+    bad = grpo(tmp_path / "bad", run_cache, *common, "model.lora.merge=true", "+trainer.sync_fault=missing_module")
+    assert bad.returncode == 2, bad.stderr[-4000:]
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "layer 0 self_attn.v_proj" in errors[-1] and "base + delta" in errors[-1], bad.stderr[-3000:]

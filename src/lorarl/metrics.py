@@ -217,7 +217,8 @@ SYNC_ADAPTER_MATCH = M(
 SYNC_ADAPTER_CHECK_SECONDS = M("sync/adapter_check_seconds", "time of that fingerprint check", "s", "worker")
 SYNC_ADAPTER_MEANING = M(
     "sync/adapter_meaning",
-    "1 when every module's delta vLLM applies equals the trainer's scaling * B @ A (semantic check)",
+    "1 when every module's delta vLLM applies equals the trainer's scaling * B @ A (semantic check; merged "
+    "sync: every served weight equals the trainer's base + that delta)",
     "0/1",
     "worker",
 )

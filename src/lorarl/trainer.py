@@ -119,10 +119,11 @@ class GRPOTrainer:
         for plan in dict.fromkeys(self.workers.sleep_plans):
             say(plan)
         sync = self.worker_spec.sync
-        if sync.check and not sync.semantic and not sync.merge:
+        if sync.check and not sync.semantic:
             say(
-                f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet "
-                "(sync/adapter_meaning); the transport fingerprint and the probe check each sync"
+                f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet for "
+                f"{'merged' if sync.merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
+                "probe check each sync"
             )
         resumed = self.resume_from is not None
         if resumed:

@@ -204,6 +204,10 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
             float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter
         )
 
+    # The semantic check's Megatron expected side (its own unfuse of the fused adapters, TP and PP
+    # combined) against PEFT's math on the bridge's export: every module within float32 rounding.
+    result["semantic_check"] = semantic_check_against_export(engine, adapter)
+
     merged = dict(engine.bridge.export_merged(engine.model))
     merged_subset = {
         k: v
@@ -274,6 +278,25 @@ def hf_dirs(tmp_path_factory):
         return d
 
     return get
+
+
+def semantic_check_against_export(engine, adapter: dict) -> float:
+    """lorarl.sync.semantic.compare of the engine's lora_projections with u^T (s B A) v of the
+    exported PEFT tensors (s = alpha / r from the adapter config): 1.0, or a SyncError naming the module."""
+    from lorarl.sync import semantic
+
+    expected = engine.lora_projections()
+    config = engine.adapter_config()
+    scaling = config["lora_alpha"] / config["r"]
+    observed = {}
+    for name, a in adapter.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        path = name[len("base_model.model.") : -len(".lora_A.weight")]
+        b = adapter[name.replace(".lora_A.", ".lora_B.")].double().cpu()
+        u, v = semantic.signs(b.shape[0], "out"), semantic.signs(a.shape[1], "in")
+        observed[path] = (scaling * torch.einsum("ko,or,ri,ki->k", u, b, a.double().cpu(), v), 1.0)
+    return semantic.compare(expected, observed, semantic.unit_roundoff(a.dtype, torch.float32))
 
 
 def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
@@ -379,6 +402,7 @@ def test_megatron_engine_against_hf_peft(hf_dirs, tmp_path, tp, pp, dtype, varia
     if pp == 1:
         assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
     assert result["adapter_tensors"] == 14 * LAYERS
+    assert result["semantic_check"] == 1.0
     assert diff_policy.max() <= TOL[dtype], result
     assert diff_reference.max() <= TOL[dtype], result
     assert effect.mean() > 3 * diff_policy.mean(), f"adapter too weak to tell apart from numeric noise: {result}"

@@ -150,6 +150,10 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     result["export_adapter_s"] = time.perf_counter() - t
     result["adapter_tensors"] = len(adapter)
     result["adapter_bytes"] = sum(v.numel() * v.element_size() for v in adapter.values())
+    # The semantic check's Megatron expected side, experts over the expert-parallel ranks, against the export.
+    from tests.gpu.test_megatron_gpu import semantic_check_against_export
+
+    result["semantic_check"] = semantic_check_against_export(engine, adapter)
     if ep == 1:
         ours = _own_split(engine, json.loads((Path(hf_dir) / "config.json").read_text()))
         result["own_split_names_equal"] = set(ours) == set(adapter)
@@ -317,6 +321,7 @@ def test_megatron_moe_expert_lora_against_hf(hf_dir, tmp_path, ep, dtype):
     assert result["initial_policy_vs_reference_max"] == 0.0
     assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in result["metrics"])  # finite
     assert result["experts_exported"] == LAYERS * EXPERTS and result["ep_ranks_identical"]
+    assert result["semantic_check"] == 1.0
     assert result["adapter_tensors"] == LAYERS * (4 * 2 + EXPERTS * 3 * 2)
     if ep == 1:
         assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0

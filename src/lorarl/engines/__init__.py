@@ -26,6 +26,12 @@ class Backend:
     # Whether the engine computes the semantic sync check's expected side (`lora_projections`,
     # lorarl.sync.semantic); without it a sync is checked by the transport fingerprint and the probe.
     semantic_sync_check: bool
+    # The same for merged sync (`base_projections` too, lorarl.sync.semantic_merged).
+    merged_sync_check: bool
+
+    def checks_meaning(self, merge: bool) -> bool:
+        """Whether a sync of this kind (merged or adapter) gets the semantic check."""
+        return self.merged_sync_check if merge else self.semantic_sync_check
 
     def engine_class(self) -> type:
         module, name = self.engine.split(":")
@@ -40,6 +46,7 @@ BACKENDS: dict[str, Backend] = {
         checks_hf_lora_targets=True,
         head_at_every_position=False,
         semantic_sync_check=True,
+        merged_sync_check=True,
     ),
     "megatron": Backend(
         option="megatron",
@@ -47,9 +54,11 @@ BACKENDS: dict[str, Backend] = {
         needs_cuda=True,
         checks_hf_lora_targets=False,
         head_at_every_position=True,
-        # Its expected side needs the bridge's fused linear_qkv / linear_fc1 adapters read back into
-        # HF modules, with TP and EP slices combined: not built yet.
-        semantic_sync_check=False,
+        # From the bridge's own fused adapters, TP/EP/PP shares combined
+        # (lorarl.engines.megatron.projections); checked on real tensors on CPU, run on GPU only.
+        semantic_sync_check=True,
+        # Its base side (u^T W_base v from Megatron's sharded fused base weights) is not built.
+        merged_sync_check=False,
     ),
 }
 

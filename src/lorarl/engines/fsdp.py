@@ -40,6 +40,7 @@ from lorarl.specs import EngineSpec
 from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync.payload import PayloadKind, WeightPayload
 from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
+from lorarl.sync.semantic_merged import BaseProjections, base_projections, trainer_bases
 
 PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -406,12 +407,11 @@ class FSDPEngine:
     def lora_projections(self) -> dict[str, Projection]:
         """The semantic check's expected side: u^T dW v per LoRA module, from this model's own
         factors and per-module scaling (lorarl.sync.semantic). Collective: one all-reduce."""
+        return trainer_projections(trainer_loras(self.model), _all_reduce if self.world > 1 else None)
 
-        def all_reduce(t: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(t)
-            return t
-
-        return trainer_projections(trainer_loras(self.model), all_reduce if self.world > 1 else None)
+    def base_projections(self) -> BaseProjections:
+        """The merged check's cached base side (lorarl.sync.semantic_merged). Collective."""
+        return base_projections(trainer_bases(self.model), _all_reduce if self.world > 1 else None)
 
     def lora_parameters(self) -> list[torch.Tensor]:
         """The trainable LoRA factors (FSDP shards), for the first sync's self-test."""
@@ -459,6 +459,13 @@ class FSDPEngine:
 
     def scheduler_state(self) -> dict:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":  # shards offloaded to the host
+        t = t.cuda()
+    dist.all_reduce(t)
+    return t
 
 
 def _jsonable(v) -> bool:

@@ -1,13 +1,13 @@
 """What the sync checks read from a VLLMRollout: fingerprints of the weights it was sent and of the
-weights and LoRA slots vLLM holds (lorarl.sync.transport), and the deltas those slots apply
-(lorarl.sync.semantic). A mixin of VLLMRollout, kept apart from how it samples and applies payloads."""
+weights and LoRA slots vLLM holds (lorarl.sync.transport), the deltas those slots apply
+(lorarl.sync.semantic) and the merged weights it serves (lorarl.sync.semantic_merged). A mixin of VLLMRollout, kept apart from how it samples and applies payloads."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.rollout import vllm_lora_slots, vllm_worker
+from lorarl.rollout import vllm_lora_slots, vllm_weights, vllm_worker
 from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
 from lorarl.sync.fingerprint import Fingerprint, combine, resolve
 from lorarl.sync.transport import AdapterLayout, LoraSlot
@@ -71,3 +71,24 @@ class FingerprintReads:
             for t in (values, share):
                 dist.all_reduce(t, group=group)
         return values, share, stray
+
+    def weight_projections(self, wanted: dict[str, tuple[int, int, int]]) -> tuple[Tensor, Tensor, float]:
+        """The merged check's observed side, whole: per wanted HF module path (-> row, full out,
+        full in), u^T W v of the weight vLLM serves, the share of the module held, and the unit
+        roundoff the reading adds. With tensor parallelism the ranks of this engine add up their
+        slices (collective over them)."""
+        values, share, roundoff = self.run_in_worker(
+            vllm_weights.weight_projections, wanted, (self.tp_rank, self.tp_size)
+        )
+        if self.tp_size > 1:
+            import torch
+            import torch.distributed as dist
+            from vllm.distributed.parallel_state import get_tp_group
+
+            group = get_tp_group().cpu_group
+            for t in (values, share):
+                dist.all_reduce(t, group=group)
+            worst = torch.tensor([roundoff], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            roundoff = float(worst)
+        return values, share, roundoff

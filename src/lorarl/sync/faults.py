@@ -5,6 +5,8 @@ sync code has shipped, so a run can show that the sync checks stop it at the fir
 the place. They act on the payload in the form vLLM reads (PEFT names, experts per expert), after
 the export and before the rollout loads it, except `trainer_scaling`, which changes the trainer's
 own scaling of one module after the adapter was made (a fault no check was written around).
+In merged mode (`model.lora.merge=true`) the same faults act on the merged weights instead
+(lorarl.sync.faults_merged).
 
     gate_up_swap    gate_proj and up_proj exchanged in every MLP (dense and each expert)
     expert_swap     experts 0 and 1 exchanged in the first MoE layer
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import ConfigError
+from lorarl.sync.faults_merged import corrupt_merged
 from lorarl.sync.payload import WeightPayload
 
 FAULTS = (
@@ -79,6 +82,12 @@ class SyncFault:
         else:
             getattr(self, f"_{self.name}")(tensors)
         return WeightPayload.adapter(tensors, config)
+
+    def corrupt_merged(self, payload: WeightPayload, engine) -> WeightPayload:
+        """The merged (base-kind) payload as the fault would have exported it (unchanged when off)."""
+        if self.name in (None, "trainer_scaling"):
+            return payload
+        return WeightPayload.base(corrupt_merged(self.name, dict(payload.tensors), engine, self._previous))
 
     # Each changes the name -> tensor dict in place.
 

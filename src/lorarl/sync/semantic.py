@@ -68,6 +68,9 @@ class Projection:
     noise: Tensor  # [PROJECTIONS] float64: sqrt(sum of squared terms), times the scaling
     out_features: int
     in_features: int
+    # An upper bound on the delta's Frobenius norm, scaling * |B|_F * |A|_F (the merged check's
+    # rounding noise of W + delta); None where not computed.
+    delta_norm: float | None = None
 
 
 # ------------------------------------------------------------------------------ trainer side
@@ -194,7 +197,8 @@ def _per_module(lora: TrainerLora, y: Tensor, a_sq: Tensor, z: Tensor, b_sq: Ten
     if lora.num_experts == 1:
         values = s * (z[0] * y).sum(-1)
         noise = s * (b_sq[0] * y * y + z[0] * z[0] * a_sq).sum(-1).sqrt()
-        return {lora.path: Projection(values, noise, n_out, n_in)}
+        norm = s * float(b_sq[0].sum().sqrt() * a_sq.sum().sqrt())
+        return {lora.path: Projection(values, noise, n_out, n_in, norm)}
     e = lora.num_experts
     y_e = y.view(count, e, -1)  # [K, E, r]: A's rows are expert-major
     a_sq_e = a_sq.view(e, -1)
@@ -204,8 +208,11 @@ def _per_module(lora: TrainerLora, y: Tensor, a_sq: Tensor, z: Tensor, b_sq: Ten
         b_sq_e = b_sq[i].view(-1, e).T
         values = s * (z_e * y_e).sum(-1)  # [K, E]
         noise = s * (b_sq_e * y_e * y_e + z_e * z_e * a_sq_e).sum(-1).sqrt()
+        norms = s * (b_sq_e.sum(-1).sqrt() * a_sq_e.sum(-1).sqrt())  # [E]
         for expert in range(e):
-            out[f"{lora.path}.{expert}.{part}"] = Projection(values[:, expert], noise[:, expert], n_out, n_in)
+            out[f"{lora.path}.{expert}.{part}"] = Projection(
+                values[:, expert], noise[:, expert], n_out, n_in, float(norms[expert])
+            )
     return out
 
 
@@ -269,10 +276,12 @@ def compare(
     roundoff: float,
     rank: int | None = None,
     extra: Iterable[str] = (),
+    merged: bool = False,
 ) -> float:
     """1.0 when vLLM applies every module's delta within rounding; else a SyncError naming the
     first module (layer, module, expert) that differs, and how. All modules at once: an MoE
-    model has tens of thousands of expert projections."""
+    model has tens of thousands of expert projections. `merged`: the values are of the whole
+    served weight (base + delta, lorarl.sync.semantic_merged), and the line says so."""
     who = "" if rank is None else f"rank {rank}: "
     paths = sorted(expected, key=_natural)
     cover = torch.tensor([observed[p][1] if p in observed else 0.0 for p in paths], dtype=torch.float64)
@@ -280,8 +289,9 @@ def compare(
     if len(missing):
         i = int(missing[0])
         raise SyncError(
-            f"{who}{_place(paths[i])}: vLLM holds {float(cover[i]):.2f} of this module's LoRA after the sync (1.00 "
-            "expected); the export left it out or vLLM has no slot for it"
+            f"{who}{_place(paths[i])}: vLLM holds {float(cover[i]):.2f} of this module's "
+            f"{'weight' if merged else 'LoRA'} after the sync (1.00 expected); the export left it out or vLLM has no "
+            "slot for it"
         )
     want = torch.stack([expected[p].values for p in paths])
     got = torch.stack([observed[p][0] for p in paths]).to(want)
@@ -293,8 +303,13 @@ def compare(
         j = int(excess[i].argmax())
         w, g = float(want[i, j]), float(got[i, j])
         ratio = g / w if w != 0 else float("inf")
+        what, quantity = (
+            ("the merged weight vLLM serves is not the trainer's base + delta", "u^T W v")
+            if merged
+            else ("the delta vLLM applies is not the trainer's", "u^T dW v")
+        )
         raise SyncError(
-            f"{who}{_place(paths[i])}: the delta vLLM applies is not the trainer's (u^T dW v {g:.4g} vs {w:.4g}, "
+            f"{who}{_place(paths[i])}: {what} ({quantity} {g:.4g} vs {w:.4g}, "
             f"ratio {ratio:.3g}, allowed difference {float(bound[i, j]):.2g}); vLLM would not compute what the "
             "trainer trains (a module in the wrong place, order or scale)"
         )

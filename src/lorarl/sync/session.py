@@ -4,8 +4,10 @@ The session reads exactly one state to choose what to send: whether the rollout 
 weights (`rollout.base_loaded`). The payload kind follows from it, the payload carries that
 kind, and the rollout dispatches on the payload; no second flag exists that could disagree.
 After every adapter sync the transport check (lorarl.sync.transport: vLLM holds the bytes sent) and
-the semantic check (lorarl.sync.semantic: they apply the trainer's deltas), the first one of a
-process preceded by a self-test on random factors; the log-prob probe on the first
+the semantic check (lorarl.sync.semantic: they apply the trainer's deltas); after every merged
+sync the weights' transport check and the merged semantic check (lorarl.sync.semantic_merged:
+vLLM serves W_base + the trainer's delta); the first sync of a process preceded by a self-test
+on random factors; the log-prob probe on the first
 sync after the probe sequences are set (each process's first training rollout, so a resumed
 run probes at once), every trainer.check_sync_probe_freq steps and on the last.
 """
@@ -23,6 +25,7 @@ from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic, transport
 from lorarl.sync.faults import SyncFault
 from lorarl.sync.payload import PayloadKind, SyncStats
+from lorarl.sync.semantic_merged import MergedCheck
 
 if TYPE_CHECKING:
     from lorarl.specs import SyncSpec
@@ -44,6 +47,7 @@ class SyncSession:
         self.fault.on_engine(engine)
         # Whether the export has been checked once with non-zero factors (lorarl.sync.semantic).
         self._self_tested = False
+        self._merged_check = MergedCheck()  # caches the base's projections
 
     @property
     def wants_probes(self) -> bool:
@@ -64,12 +68,12 @@ class SyncSession:
         stats: list[SyncStats] = []
         checks: dict = {}
         if self.merge or not self.rollout.base_loaded:
-            payload, gather_s = self.engine.export(PayloadKind.BASE)
+            if self.merge and self.semantic and not self._self_tested:
+                self._self_test()
+            payload, gather_s = self._export_base()
             stats.append(self._apply(payload, gather_s))
             if self.check:
-                t0 = time.perf_counter()
-                checks["weights_match"], checks["weights_checked"] = transport.verify_weights(self.rollout, self.rank)
-                checks["weights_check_seconds"] = time.perf_counter() - t0
+                checks.update(self._check_base())
         if not self.merge:
             if self.semantic and not self._self_tested:
                 self._self_test()
@@ -78,6 +82,21 @@ class SyncSession:
             if self.check:
                 checks.update(self._check_adapter(payload))
         return dataclasses.replace(SyncReport.of(stats, self.rollout.num_adapters()), **checks)
+
+    def _export_base(self):
+        payload, gather_s = self.engine.export(PayloadKind.BASE)
+        return (self.fault.corrupt_merged(payload, self.engine) if self.merge else payload), gather_s
+
+    def _check_base(self) -> dict:
+        """Transport (vLLM holds the weights sent), then, merged, meaning (they are W_base + delta)."""
+        t0 = time.perf_counter()
+        checks = dict(zip(("weights_match", "weights_checked"), transport.verify_weights(self.rollout, self.rank)))
+        t1 = time.perf_counter()
+        checks["weights_check_seconds"] = t1 - t0
+        if self.merge and self.semantic:
+            checks["adapter_meaning"] = self._merged_check.verify(self.engine, self.rollout, self.rank)
+            checks["meaning_check_seconds"] = time.perf_counter() - t1
+        return checks
 
     def _export_adapter(self):
         # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
@@ -96,13 +115,19 @@ class SyncSession:
         return checks
 
     def _self_test(self) -> None:
-        """Once per process, before the first adapter sync: the whole export -> load -> checks on
+        """Once per process, before the first adapter or merged sync: the whole export -> load -> checks on
         seeded random factors, then the trained ones back. A fresh adapter's B is zero, so every
         delta is zero and a wrong layout would pass the semantic check until training moved it."""
-        with semantic.randomized(self.engine.lora_parameters()):
-            payload, _ = self._export_adapter()
-            self.rollout.apply(payload)
-            self._check_adapter(payload)
+        # Merged, the delta must stand out of the served dtype's rounding of W_base + delta
+        # (lorarl.sync.semantic_merged): larger factors, a delta of the weights' own size at rank 8.
+        with semantic.randomized(self.engine.lora_parameters(), std=0.05 if self.merge else 0.02):
+            if self.merge:
+                self.rollout.apply(self._export_base()[0])
+                self._check_base()
+            else:
+                payload, _ = self._export_adapter()
+                self.rollout.apply(payload)
+                self._check_adapter(payload)
         self._self_tested = True
 
     def probe_if_due(self, request: SyncRequest, report: SyncReport) -> None:

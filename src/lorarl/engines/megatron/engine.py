@@ -76,7 +76,7 @@ class MegatronEngine:
 
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+        hf_config = self.hf_config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
         self.pad_token_id = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
         self.tp = self.backend.tensor_model_parallel_size
         self.pp = self.backend.pipeline_model_parallel_size
@@ -420,6 +420,29 @@ class MegatronEngine:
             return WeightPayload.base(stream), time.perf_counter() - t0
         raise ValueError(f"unknown payload kind {kind!r}")
 
+    def lora_projections(self) -> dict:
+        """The semantic check's expected side (lorarl.engines.megatron.projections): u^T dW v per HF
+        module from this model's own adapters. Collective over the TP and expert groups."""
+        from lorarl.engines.megatron.projections import megatron_lora_projections, model_lora, shape_from_config
+
+        params, scaling = model_lora(self.model)
+        shape = shape_from_config(self.hf_config, self.lora.rank, self.ps)
+        mine = megatron_lora_projections(
+            params, scaling, shape, _all_reduce(self.ps.get_tensor_model_parallel_group()),
+            _all_reduce(self.ps.get_expert_tensor_and_model_parallel_group()),
+        )  # fmt: skip
+        if self.pp == 1:
+            return mine
+        import torch.distributed as dist  # each pipeline stage holds its own layers: all of them on every stage
+
+        stages: list = [None] * self.pp
+        dist.all_gather_object(stages, mine, group=self.ps.get_pipeline_model_parallel_group())
+        return {path: p for stage in stages for path, p in stage.items()}
+
+    def lora_parameters(self) -> list[torch.Tensor]:
+        """The trainable LoRA factors of this rank, for the first sync's self-test."""
+        return [p for m in self.model for p in m.parameters() if p.requires_grad]
+
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter
         folder would load as the untrained base model."""
@@ -444,6 +467,17 @@ class MegatronEngine:
 
     def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None) -> None:
         raise ConfigError(_NO_CHECKPOINTS)
+
+
+def _all_reduce(group):
+    import torch.distributed as dist
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.cuda()
+        dist.all_reduce(t, group=group)
+        return t.cpu()
+
+    return reduce
 
 
 __all__ = ["MegatronEngine", "check_right_padded"]
