@@ -36,11 +36,14 @@ class GenerateRequest:
 
 @dataclass
 class Rollouts:
-    """Per prompt, the n sampled responses and the sampler's log-prob of each of their tokens."""
+    """Per prompt, the n sampled responses and the sampler's log-prob of each of their tokens,
+    and the adapter version that sampled them (the updates it had had: SyncRequest.version of the
+    last sync before the generation began)."""
 
     token_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]
     seconds: float
+    adapter_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,20 @@ class WorkerSetup:
     dp_rank: int
     dp_size: int
     sleep_plan: str
+    rollout_sleeps: bool  # the plan sleeps vLLM during the update: generation cannot overlap it
     rollout_start_seconds: float  # the vLLM engine: weights, compile, KV cache, CUDA graphs
     engine_build_seconds: float  # the training engine: model, LoRA, sharding, optimizer
 
 
 @dataclass(frozen=True)
 class SyncRequest:
-    """Bring every rollout up to date after the update of `step` (0: before training starts)."""
+    """Bring every rollout up to date after the update of `step` (0: before training starts).
+    `version`: the updates the synced adapter has had, which the rollouts it samples carry
+    (None: `step`; a resumed run's first sync, at step 0, sends its checkpoint's step)."""
 
     step: int
     last: bool
+    version: int | None = None
 
 
 def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:

@@ -196,6 +196,14 @@ ROLLOUT_SLEEPS = M(
     "0/1",
     "worker",
 )
+ROLLOUT_STALENESS = M(
+    "rollout/staleness",
+    "adapter versions between the one that sampled the step's batch and the one its update starts from "
+    "(never above trainer.off_policy_steps; 0 on the first step, after a resume, and on-policy)",
+    "count",
+    "driver",
+    when="trainer.off_policy_steps > 0",
+)
 
 # The weight sync and its checks.
 SYNC_KIND = M("sync/kind", "what the sync sent: adapter, base, merged, or base+adapter", "text", "worker")

@@ -162,6 +162,7 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpe
         ),
         rollout_correction=run.algorithm.rollout_correction,
         train_batch_size=run.data.train_batch_size,
+        off_policy_steps=t.off_policy_steps,
         seed=t.seed,
         stall_report_s=t.stall_report_s,
     )

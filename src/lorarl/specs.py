@@ -86,5 +86,6 @@ class WorkerSpec:
     sync: SyncSpec
     rollout_correction: RolloutCorrectionConfig  # algorithm.rollout_correction
     train_batch_size: int  # data.train_batch_size, in prompts: whether the update is on-policy
+    off_policy_steps: int  # trainer.off_policy_steps: the batch may be that many adapter versions behind
     seed: int  # trainer.seed; each worker seeds its RNGs with seed + rank
     stall_report_s: float | None  # trainer.stall_report_s (lorarl.stall_report)

@@ -5,6 +5,9 @@
     -> old and reference log-probs, PPO update (workers, FSDP collectives)
     -> sync weights into vLLM -> log
 
+With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
+the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
+
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
 """
@@ -27,7 +30,16 @@ from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_res
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
 from lorarl.errors import LorarlError
-from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
+from lorarl.messages import (
+    GenerateRequest,
+    Rollouts,
+    Sampling,
+    SyncReport,
+    SyncRequest,
+    UpdateRequest,
+    reduce_metrics,
+)
+from lorarl.off_policy import Ahead, BatchAhead, staleness
 from lorarl.tracking import Tracker, console, redact
 
 # Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
@@ -96,6 +108,11 @@ class GRPOTrainer:
         self.ckpt.clean_partial()
         self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
         self.prepare_seconds = prepared.seconds
+        # trainer.off_policy_steps=1: the batch generated during the last update, and whether the
+        # workers can overlap the two (decided in fit, from their sleep plans).
+        self.ahead: BatchAhead | None = None
+        self.overlap = False
+        self.sampled_version = 0
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -125,14 +142,26 @@ class GRPOTrainer:
                 f"{'merged' if sync.merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
                 "probe check each sync"
             )
+        if tc.off_policy_steps:
+            self.overlap = not self.workers.rollout_sleeps
+            if not self.overlap:
+                say(
+                    f"trainer.off_policy_steps={tc.off_policy_steps}: vLLM sleeps during the update (the plan above), "
+                    "so generation cannot run beside it; this run stays on-policy"
+                )
         resumed = self.resume_from is not None
         if resumed:
             self.load_checkpoint(self.resume_from)
             # The steps after the checkpoint run again: their rows from the stopped process go.
             self.tracker.drop_after(self.step)
             say(f"resumed from {self.resume_from} at step {self.step}")
+            if self.overlap:
+                say(
+                    f"off-policy resume: the batch that was in flight at the checkpoint is generated again, by the "
+                    f"checkpoint's adapter (same prompts and seeds; rollout/staleness 0 at step {self.step + 1})"
+                )
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.workers.sync(SyncRequest(step=0, last=False))
+        first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))
         startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
         startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
         # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
@@ -209,7 +238,11 @@ class GRPOTrainer:
         try:
             self.workers.save_checkpoint(str(tmp))
             config_yaml = OmegaConf.to_yaml(redact(self.run.to_dict()))
-            write_trainer_state(tmp, self.step, self.loader.state_dict(), random.getstate(), config_yaml)
+            # A batch generated ahead is not saved: the loader is saved as it was before drawing
+            # it, and a resumed run draws and generates it again (fit says so).
+            ahead = self.ahead
+            loader_state = ahead.loader_state if ahead else self.loader.state_dict()
+            write_trainer_state(tmp, self.step, loader_state, ahead.rng if ahead else random.getstate(), config_yaml)
             self.ckpt.commit(tmp, self.step)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -225,12 +258,22 @@ class GRPOTrainer:
 
     def train_step(self) -> tuple[dict, SyncReport]:
         """One GRPO step: three calls to the workers (generate; update; sync). Returns the step's
-        metrics and the merged sync report (its kind and a changed sleep plan go to the console)."""
+        metrics and the merged sync report (its kind and a changed sleep plan go to the console).
+        Off-policy, the batch is the one generated during the last update, and the next one is
+        generated during this update (start_generate; collected before the sync)."""
         t_step = time.perf_counter()
-        groups, gen_rounds, t_gen = self.rollout_groups()
+        if self.ahead is None:
+            groups, gen_rounds, t_gen = self.rollout_groups()
+            version, epoch = self.sampled_version, self.loader.epoch
+        else:
+            ahead, self.ahead = self.ahead, None
+            groups, gen_rounds, t_gen, version, epoch = ahead.groups, 1, ahead.seconds, ahead.version, ahead.epoch
+        next_ahead = self.start_ahead() if self.overlap and self.step < self.total_steps else None
         t0 = time.perf_counter()
         train = self.workers.update(self.update_requests(groups))
         t_update = time.perf_counter() - t0
+        if next_ahead is not None:
+            self.ahead = next_ahead.collect(self.workers.collect_generate(), self.score_groups)
         t0 = time.perf_counter()
         sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
         t_sync = time.perf_counter() - t0
@@ -258,8 +301,19 @@ class GRPOTrainer:
         metrics[keys.TIMING_TRAIN.key] = t_update
         metrics[keys.TIMING_SYNC.key] = t_sync
         metrics[keys.TIMING_STEP.key] = time.perf_counter() - t_step
-        metrics[keys.DATA_EPOCH.key] = self.loader.epoch
+        metrics[keys.DATA_EPOCH.key] = epoch
+        if self.run.trainer.off_policy_steps:
+            bound = self.run.trainer.off_policy_steps if self.overlap else 0
+            metrics[keys.ROLLOUT_STALENESS.key] = staleness(self.step, version, bound)
         return metrics, sync
+
+    def start_ahead(self) -> Ahead:
+        """Draw the next step's prompts and begin their generation on the workers (returns at once)."""
+        state = (self.loader.state_dict(), random.getstate())
+        prompts = self.loader.next_batch()
+        shards, requests = self.generation_requests(prompts, self.step + 1)
+        self.workers.start_generate(requests)
+        return Ahead(shards, self.loader.epoch, *state)
 
     def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
         """Group-normalised advantages; prompt groups split contiguously over data-parallel replicas."""
@@ -308,23 +362,35 @@ class GRPOTrainer:
 
     def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[PromptGroup], float]:
         """rollout.n samples of each prompt from vLLM (prompts split over its engines), scored."""
-        r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
+        shards, requests = self.generation_requests(prompts, self.step, round_index)
+        gen = self.workers.generate(requests)
+        self.sampled_version = min(rollouts.adapter_version for rollouts in gen)
+        return self.score_groups(shards, gen), max(rollouts.seconds for rollouts in gen)
+
+    def generation_requests(
+        self, prompts: list, step: int, round_index: int = 0
+    ) -> tuple[list[list], list[GenerateRequest]]:
+        """The prompts split over the rollout engines, and each engine's request for `step`."""
+        r, d = self.run.rollout, self.run.data
         shards = _split(prompts, self.workers.rollout_size)
         seed = self.run.trainer.seed
-        gen = self.workers.generate(
-            [
-                GenerateRequest(
-                    prompt_ids=[p.prompt_ids for p in shard],
-                    n=r.n,
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    max_tokens=d.max_response_length,
-                    seed=sampling_seed(seed, self.step, i, round_index),
-                    for_training=True,
-                )
-                for i, shard in enumerate(shards)
-            ]
-        )
+        requests = [
+            GenerateRequest(
+                prompt_ids=[p.prompt_ids for p in shard],
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=d.max_response_length,
+                seed=sampling_seed(seed, step, i, round_index),
+                for_training=True,
+            )
+            for i, shard in enumerate(shards)
+        ]
+        return shards, requests
+
+    def score_groups(self, shards: list[list], gen: list[Rollouts]) -> list[PromptGroup]:
+        """Each prompt's samples scored, with DAPO's overlong penalty when on."""
+        d, alg = self.run.data, self.run.algorithm
         ob = alg.overlong_buffer
         buffer = (ob.len or max(1, d.max_response_length // 5)) if ob.enable else 0
         groups = []
@@ -339,7 +405,7 @@ class GRPOTrainer:
                 ]
                 rewards = [x + p for x, p in zip(scores, overlong)]
                 groups.append(PromptGroup(item, samples, lps, rewards, scores, overlong))
-        return groups, max(rollouts.seconds for rollouts in gen)
+        return groups
 
     def score(self, item, response_ids: list[int]) -> float:
         from lorarl.rewards import RESPONSE_IDS, get_reward_fn

@@ -13,6 +13,7 @@ import functools
 import gc
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,8 @@ class Worker:
         self.rollout = None
         self.sleep: RolloutSleep | None = None
         self.sync_session: SyncSession | None = None
+        self.adapter_version = 0  # updates the adapter vLLM holds has had (SyncRequest.version)
+        self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
 
     # Ray calls these on every worker before anything else.
     def location(self) -> Placement:
@@ -156,11 +159,12 @@ class Worker:
         t2 = time.perf_counter()
         self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
         self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
-        self.correction = Correction.of(spec.rollout_correction, self.device.type)
+        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
         return WorkerSetup(
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             sleep_plan=str(self.sleep.plan),
+            rollout_sleeps=self.sleep.sleeps,
             rollout_start_seconds=t1 - t0,
             engine_build_seconds=t2 - t1,
         )
@@ -183,6 +187,7 @@ class Worker:
 
     @watched
     def generate(self, request: GenerateRequest) -> Rollouts:
+        version = self.adapter_version
         out = self.rollout.sample(
             request.prompt_ids,
             n=request.n,
@@ -193,7 +198,26 @@ class Worker:
         )
         if request.for_training and self.sync_session.wants_probes:
             self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
+        out.adapter_version = version
         return out
+
+    def generate_start(self, request: GenerateRequest) -> None:
+        """Begin `generate` in a thread of this process and return at once, so the update call that
+        follows runs beside it (trainer.off_policy_steps=1); generate_collect returns its result.
+        vLLM must stay awake for that: while the sleep plan sleeps it, the generation runs here,
+        before the update, and the overlap is lost but not the order."""
+        if self._in_flight is not None:
+            raise RuntimeError("generate_start: a generation is already in flight (generate_collect first)")
+        self._in_flight = InFlight(lambda: self.generate(request))
+        if self.sleep.sleeps:
+            self._in_flight.wait()
+
+    def generate_collect(self) -> Rollouts:
+        """The result of the generation generate_start began (its error, raised here)."""
+        if self._in_flight is None:
+            raise RuntimeError("generate_collect: no generation in flight (generate_start first)")
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight.result()
 
     @watched
     def update(self, request: UpdateRequest) -> UpdateReport:
@@ -216,7 +240,7 @@ class Worker:
             self.engine.left_pad_prompts,
             request.rollout_logprobs,
         )
-        if needs_old_logp(a, self.spec.train_batch_size, self.correction):
+        if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["old_logp_seconds"] = time.perf_counter() - t0
@@ -241,7 +265,10 @@ class Worker:
         """Wake the rollout's weights, sync and check them, wake its cache, probe. Collective.
 
         The cache wakes after the payloads are applied (their gathers have its memory) and
-        before the probe, which generates."""
+        before the probe, which generates. A generation still in flight (generate_start) ends
+        first: the adapter it samples with is never replaced under it."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
         t_wake = self.sleep.wake(["weights"])
         report = self.sync_session.sync(request)
         t_wake += self.sleep.wake(["kv_cache"])
@@ -250,6 +277,7 @@ class Worker:
             report.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.
         report.sleep_plan = self.sleep.replan()
+        self.adapter_version = request.step if request.version is None else request.version
         return report
 
     # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
@@ -295,6 +323,31 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
+
+
+class InFlight:
+    """One call running in a daemon thread of the worker; `result()` joins it and returns its
+    value or raises its exception."""
+
+    def __init__(self, call):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(call,), name="lorarl-generate", daemon=True)
+        self._thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            self._value = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def make_engine(spec: EngineSpec, device: torch.device) -> Engine:

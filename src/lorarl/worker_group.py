@@ -206,6 +206,7 @@ class WorkerGroup:
         setups = self._get([w.setup.remote(rendezvous) for w in self.workers], "set-up")
         self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
         self.sleep_plans = [s.sleep_plan for s in setups]
+        self.rollout_sleeps = any(s.rollout_sleeps for s in setups)
         # The slowest worker's stages: the others wait for it at the first collective.
         self.startup.update(
             {
@@ -247,6 +248,16 @@ class WorkerGroup:
         """One request per rollout engine (rollout_size of them); one result per engine, from its
         first worker."""
         refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
+        return self._first_of(self.rollout_replica, refs, "generation")
+
+    def start_generate(self, per_engine: list[GenerateRequest]) -> None:
+        """`generate` begun on every worker in a thread of its own; returns once all began, so
+        the next call (the update) runs beside it. collect_generate returns the results."""
+        self._get([w.generate_start.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)])
+
+    def collect_generate(self) -> list[Rollouts]:
+        """The generation start_generate began: one result per engine, from its first worker."""
+        refs = [w.generate_collect.remote() for w in self.workers]
         return self._first_of(self.rollout_replica, refs, "generation")
 
     def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:

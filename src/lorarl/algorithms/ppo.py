@@ -41,17 +41,24 @@ class Correction:
         self.first = rcorr.needs_trainer_logp_first(rules, self.normalize)
 
     @classmethod
-    def of(cls, rc: RolloutCorrectionConfig, device: str) -> Correction:
-        level = rcorr.resolve_is_level(rc.rollout_is, device, rc.bypass_mode)
+    def of(cls, rc: RolloutCorrectionConfig, device: str, off_policy: bool = False) -> Correction:
+        """`off_policy`: the batch may be sampled by an older adapter (trainer.off_policy_steps > 0)."""
+        level = rcorr.resolve_is_level(rc.rollout_is, device, rc.bypass_mode, off_policy)
         rules = rcorr.parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
         return cls(level, rc.rollout_is_threshold, rules, rc.rollout_is_batch_normalize, rc.bypass_mode)
 
 
-def needs_old_logp(actor: ActorConfig, train_batch_size: int, correction: Correction) -> bool:
+def needs_old_logp(
+    actor: ActorConfig, train_batch_size: int, correction: Correction, stale_rollout: bool = False
+) -> bool:
     """Whether the update needs the trainer's log-probs from a pass of their own: off-policy
-    (unless bypass mode makes the sampler's log-probs pi_old), or when the rollout correction
-    must be known before the loss is normalised (rejection, batch-normalised weights)."""
-    return correction.first or not (is_on_policy(actor, train_batch_size) or correction.bypass)
+    (several epochs or mini-batches, or `stale_rollout`: the batch was sampled by an older
+    adapter, so pi_old, the current adapter's log-probs, is neither vLLM's nor the update's
+    first forward's; unless bypass mode makes the sampler's log-probs pi_old), or when the
+    rollout correction must be known before the loss is normalised (rejection, batch-normalised
+    weights)."""
+    on_policy = is_on_policy(actor, train_batch_size) and not stale_rollout
+    return correction.first or not (on_policy or correction.bypass)
 
 
 def ppo_update(
