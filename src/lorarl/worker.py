@@ -86,6 +86,7 @@ class Worker:
         self.sync_session: SyncSession | None = None
         self.adapter_version = 0  # updates the adapter vLLM holds has had (SyncRequest.version)
         self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
+        self._side_stream = None  # CUDA: the stream that generation runs on
 
     # Ray calls these on every worker before anything else.
     def location(self) -> Placement:
@@ -208,9 +209,21 @@ class Worker:
         before the update, and the overlap is lost but not the order."""
         if self._in_flight is not None:
             raise RuntimeError("generate_start: a generation is already in flight (generate_collect first)")
-        self._in_flight = InFlight(lambda: self.generate(request))
+        self._in_flight = InFlight(lambda: self._generate_on_side_stream(request))
         if self.sleep.sleeps:
             self._in_flight.wait()
+
+    def _generate_on_side_stream(self, request: GenerateRequest) -> Rollouts:
+        """`generate` on a CUDA stream of its own (the current stream is per thread), so its kernels
+        can run beside the update's on the default stream instead of queueing behind them."""
+        if self.device.type != "cuda":
+            return self.generate(request)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._side_stream):
+            out = self.generate(request)
+        self._side_stream.synchronize()
+        return out
 
     def generate_collect(self) -> Rollouts:
         """The result of the generation generate_start began (its error, raised here)."""
