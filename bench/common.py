@@ -212,7 +212,7 @@ def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
     from lorarl.trainer import sampling_of
 
     correction = Correction.of(run.algorithm.rollout_correction, device.type)
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction).metrics()
 
 
 # --- The machine around a run. Two runs of one command in one lease differed by 20%; these

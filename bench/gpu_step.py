@@ -249,7 +249,7 @@ def prompt_batches(run_cfg, steps: int) -> tuple[list[list], list[dict]]:
     from lorarl.data.batches import prompt_batches as trainer_batches
     from lorarl.data.dataset import load_rows
     from lorarl.preflight import load_tokenizer
-    from lorarl.trainer import prepare_data
+    from lorarl.prepare import prepare_data
 
     prepare_data(run_cfg)  # writes the arith parquet if this cache has none yet
     loader, _, _ = trainer_batches(run_cfg.data, load_tokenizer(run_cfg), run_cfg.trainer.seed, validation=False)

@@ -44,6 +44,7 @@ from bench.step_report import mfu, param_count
 from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
 from lorarl.engines.fsdp import FSDPEngine
+from lorarl.prepare import engine_spec
 
 # Variant tokens that are not Hydra overrides: they change the built engine.
 BENCH_TOKENS = ("fused_adamw", "transformers_masks")
@@ -183,8 +184,8 @@ def variant_engine(run, spec: str, device: torch.device):
     if run.backend.strategy == "megatron":
         from lorarl.engines.megatron.engine import MegatronEngine
 
-        return MegatronEngine(run, device, seed=run.trainer.seed)
-    engine = FSDPEngine(run, device)
+        return MegatronEngine(engine_spec(run, device.type), device)
+    engine = FSDPEngine(engine_spec(run, device.type), device)
     if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
         engine.prepared_masks = False
     if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step

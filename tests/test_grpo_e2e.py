@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_metrics import assert_described
+from tests.test_metrics import assert_described, assert_list_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -73,6 +73,7 @@ def test_reward_rises_with_the_synced_adapter(cache, tmp_path):
     assert 0.0 < vals[0]["val/acc"] < 1.0
     assert len(rows) == 40
     assert_described(logged_keys(tmp_path / "run"), "the default run")
+    assert_list_logged(logged_keys(tmp_path / "run"), "the default run")
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"

@@ -104,11 +104,14 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
     from lorarl.config.compose import compose
     from lorarl.messages import SyncReport
+    from lorarl.prepare import run_update_tokens
     from lorarl.rollout.sleep import RolloutSleep
+    from lorarl.specs import SleepSpec
 
     sleep = RolloutSleep.__new__(RolloutSleep)  # the GPU-only setup replaced by its outcome
-    sleep.run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
-    sleep.device, sleep.dp_size = torch.device("cpu"), 1
+    run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
+    sleep.spec = SleepSpec(None, update_bytes=60 * GIB, update_tokens=run_update_tokens(run, dp_size=1))
+    sleep.device = torch.device("cpu")
     sleep.plan, sleep._free_awake = plan_sleep(None, 70 * GIB, 60 * GIB), 70 * GIB
     sleep._update_peak, sleep._some_rank_sleeps, sleep._said_still_asleep = None, True, False
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -129,7 +132,7 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
 def test_the_largest_micro_batch_a_run_allows():
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_tokens
+    from lorarl.prepare import run_update_tokens
 
     budget = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
     assert run_update_tokens(budget, dp_size=1) == 4096
@@ -146,7 +149,7 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     'the update needs ~35.1 GiB' at 7B, ~54.1 at 0.5B, both then run awake without running out)."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
     dims = ModelDims.of(Qwen2Config(**SHAPES[shape]))
@@ -159,7 +162,7 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     bench/results/update_profile_2026-12-04c); the estimate adds the model's bf16 weights."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-7b"]))
     need = [
@@ -182,7 +185,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes
+    from lorarl.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))
     work = ["model=qwen2_5_0_5b_instruct", "data.max_response_length=128"]
@@ -217,20 +220,18 @@ def test_the_switch_to_awake_needs_every_rank():
     torchrun(2, script=ROOT / "tests" / "distributed" / "all_ranks_check.py", timeout=120)
 
 
-def test_a_shared_base_costs_the_trainer_no_copy_and_no_gathered_weights():
-    """backend.share_base: the trainer's frozen weights are vLLM's, so its own base copy is zero
-    (two copies: its FSDP shard, the model's parameters as transformers counts them, over the
-    ranks) and nothing is gathered, also under reshard_after_forward=false."""
+def test_a_shared_base_keeps_no_gathered_weights():
+    """backend.share_base: the trainer's frozen weights are vLLM's and FSDP manages only LoRA, so
+    the update's estimate holds no gathered base (the model's parameters as transformers counts
+    them), also under reshard_after_forward=false."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import run_update_bytes, trainer_base_bytes
+    from lorarl.prepare import run_update_bytes
 
     config = Qwen2Config(**SHAPES["qwen2.5-7b"])
     with torch.device("meta"):
         numel = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
     dims = ModelDims.of(config)
-    assert trainer_base_bytes(dims, 2, dp_size=1, shared=True) == 0
-    assert trainer_base_bytes(dims, 2, dp_size=2, shared=False) == numel * 2 // 2
     run = compose(["+backend=fsdp", "model=qwen2_5_7b_instruct", "backend.reshard_after_forward=false"])
     kept = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
     shared = run_update_bytes(run, dims, dp_size=1, model_parallel=1, shared_base=True)

@@ -162,6 +162,7 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    from lorarl.rollout import vllm_engine_args
     from lorarl.rollout.vllm import VLLMRollout
 
     model = lora_moe(AutoModelForCausalLM.from_pretrained(tiny_moe_path), rank=1, alpha=3, seed=2)
@@ -171,7 +172,8 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     hf = json.loads((tiny_moe_path / "config.json").read_text())
     hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_local_experts"]
     assert is_moe_checkpoint(tiny_moe_path)
-    with VLLMRollout(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, adapter_transport="memory") as rollout:
+    args = vllm_engine_args.build(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, on_cpu=True)
+    with VLLMRollout(args, adapter_transport="memory") as rollout:
         rollout.apply(payload)
         held = rollout.held_adapter_slots()
         for layer in range(hf["num_hidden_layers"]):

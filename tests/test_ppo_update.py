@@ -72,10 +72,15 @@ def test_engines_implement_the_protocol():
         assert [m for m in members if not hasattr(cls, m)] == [], cls.__name__
 
 
-def ppo_update(policy, batch, step: int, run):
+def ppo_stats(policy, batch, step: int, run):
     """The update as the worker calls it, with the run's sampling facts and actor settings."""
     correction = Correction.of(run.algorithm.rollout_correction, run.trainer.device)
     return run_ppo_update(policy, batch, step, sampling_of(run), run.actor, correction)
+
+
+def ppo_update(policy, batch, step: int, run) -> dict[str, float]:
+    """The update's logged keys and values."""
+    return ppo_stats(policy, batch, step, run).metrics()
 
 
 def batch_of(lengths: list[int], seed: int = 1):
@@ -373,12 +378,13 @@ def test_update_report_logs_the_updates_keys_unchanged():
     first, as the loss reports them), then the worker's timings."""
     key = "algorithm.rollout_correction"
     run = compose([*_overrides("token-mean", 2), f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0"])
-    metrics = ppo_update(TablePolicy(), _with_rollout(batch_of(LENGTHS)), step=1, run=run)
+    stats = ppo_stats(TablePolicy(), _with_rollout(batch_of(LENGTHS)), step=1, run=run)
+    metrics = stats.metrics()
     assert next(iter(metrics)).startswith("rollout_corr/")
     worker = {"sleep_seconds": 0.0, "slept": False, "update_seconds": 1.5, "old_logp_seconds": 0.25}
-    report = UpdateReport.of(metrics, **worker)
-    assert report.entropy == metrics["actor/entropy"] and report.kl_loss is None
-    assert set(report.extra) == {k for k in metrics if k.startswith("rollout_corr/")}
+    report = UpdateReport(ppo=stats, **worker)
+    assert report.ppo.entropy == metrics["actor/entropy"] and report.ppo.kl_loss is None
+    assert set(report.ppo.extra) == {k for k in metrics if k.startswith("rollout_corr/")}
     logged = report.metrics()
     timings = {"timing/sleep": 0.0, "rollout/sleeps": 0.0, "timing/old_logp": 0.25, "timing/update": 1.5}
     assert list(logged.items()) == [*metrics.items(), *timings.items()]

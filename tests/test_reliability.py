@@ -194,7 +194,7 @@ def test_model_path_given_with_the_default_preset_means_that_model(cache, tmp_pa
     one-line error (no toy model trained in its place), and a user's own model is used as is."""
     from lorarl.config.compose import to_run_config
     from lorarl.models.tiny import MARKER
-    from lorarl.trainer import prepare_model
+    from lorarl.prepare import prepare_model
 
     missing = tmp_path / "typo_model"
     err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={missing}")
@@ -264,12 +264,12 @@ def test_target_module_that_matches_nothing(cache, tmp_path):
 
 def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, tiny_model_path):
     """The workers' own guard, for a model the driver check cannot see the same way."""
-    import torch
     from hydra import compose
 
     from lorarl.config.compose import to_run_config
     from lorarl.engines.fsdp import load_lora_model
     from lorarl.errors import ModelError
+    from lorarl.prepare import engine_spec
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():
@@ -279,7 +279,7 @@ def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, 
     run = to_run_config(cfg)
     run.model.path = str(tiny_model_path)
     with pytest.raises(ModelError) as err:
-        load_lora_model(run, torch.device("cpu"))
+        load_lora_model(engine_spec(run, "cpu"))
     msg = str(err.value)
     assert "model.lora.target_modules=['vproj']" in msg and "\n" not in msg
 
@@ -793,9 +793,9 @@ def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, ti
     from hydra import compose
 
     from lorarl.config.compose import to_run_config
-    from lorarl.engines.fsdp import load_lora_model
-    from lorarl.engines.liger import apply_liger_kernel, use_liger_kernel
+    from lorarl.engines.liger import apply_liger_kernel
     from lorarl.errors import ConfigError
+    from lorarl.prepare import engine_spec
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():
@@ -803,12 +803,12 @@ def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, ti
     run = to_run_config(cfg)
     run.model.path = str(tiny_model_path)
     assert run.backend.liger_kernel is None
-    assert use_liger_kernel(run, torch.device("cuda")) and not use_liger_kernel(run, torch.device("cpu"))
+    assert engine_spec(run, "cuda").liger_kernel and not engine_spec(run, "cpu").liger_kernel
     run.backend.liger_kernel = False
-    assert not use_liger_kernel(run, torch.device("cuda"))
+    assert not engine_spec(run, "cuda").liger_kernel
     run.backend.liger_kernel = True
     with pytest.raises(ConfigError) as err:
-        load_lora_model(run, torch.device("cpu"))
+        engine_spec(run, "cpu")
     assert str(err.value).startswith("backend.liger_kernel=true needs CUDA") and "\n" not in str(err.value)
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # as on a machine without the gpu extra
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)

@@ -108,7 +108,7 @@ def test_trainer_base_is_vllms_memory_after_load_updates_syncs_and_resume(cache,
 
 
 def check_shared_through_training(w, checkpoint: Path) -> None:
-    assert w.base_plan.shared and w.rollout.base_shared and w.rollout.base_loaded
+    assert w.spec.base_plan.shared and w.rollout.base_shared and w.rollout.base_loaded
     assert unshared(w) == [] and differ_from_checkpoint(w) == []
     assert sum(not p.requires_grad for p in w.engine.model.parameters()) == 26  # tiny Qwen2's base, head tied
     frozen = [p for p in w.engine.model.parameters() if not p.requires_grad]
@@ -262,22 +262,22 @@ def test_default_recipe_trains_the_same_with_one_copy_or_two(run_cache, tmp_path
                 assert value == b[key], (key, value, b[key])
 
 
-def test_worker_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_path):
-    """What a worker decides from the checkpoint: the tiny float32 Qwen2 shares on CPU, not when
+def test_base_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_path):
+    """What the driver decides from the checkpoint: the tiny float32 Qwen2 shares on CPU, not when
     vLLM is told another dtype; a bfloat16 checkpoint with rollout.dtype=auto (the GPU presets)
     shares on a GPU, since vLLM then serves it in bfloat16; a MoE config on CPU does not."""
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    from lorarl.engines.shared_base import plan_for_worker
+    from lorarl.engines.shared_base import plan_for_run
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert plan_for_worker(compose_run(f"model.path={tiny_model_path}"), cpu).shared
-    plan = plan_for_worker(compose_run(f"model.path={tiny_model_path}", "rollout.dtype=bfloat16"), cpu)
+    cpu, cuda = "cpu", "cuda"
+    assert plan_for_run(compose_run(f"model.path={tiny_model_path}"), cpu).shared
+    plan = plan_for_run(compose_run(f"model.path={tiny_model_path}", "rollout.dtype=bfloat16"), cpu)
     assert not plan.shared and "vLLM holds the base in bfloat16" in str(plan)
     Qwen2Config(dtype="bfloat16").save_pretrained(tmp_path / "bf16")
     run = compose_run(f"model.path={tmp_path / 'bf16'}", "model.dtype=bfloat16")
-    assert plan_for_worker(run, cuda).shared
-    assert "float32" in str(plan_for_worker(compose_run(f"model.path={tmp_path / 'bf16'}"), cuda))
+    assert plan_for_run(run, cuda).shared
+    assert "float32" in str(plan_for_run(compose_run(f"model.path={tmp_path / 'bf16'}"), cuda))
     Qwen3MoeConfig(num_experts=4, dtype="float32").save_pretrained(tmp_path / "moe")
-    plan = plan_for_worker(compose_run(f"model.path={tmp_path / 'moe'}", "model.lora.merge=false"), cpu)
+    plan = plan_for_run(compose_run(f"model.path={tmp_path / 'moe'}", "model.lora.merge=false"), cpu)
     assert not plan.shared and "fused-MoE" in str(plan)

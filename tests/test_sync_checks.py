@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lorarl.errors import SyncError
+from lorarl.rollout import vllm_engine_args
 from lorarl.rollout.vllm import VLLMRollout
 from lorarl.sync import fingerprint as fingerprints
 from lorarl.sync import probe, transport
@@ -148,7 +149,8 @@ def mutated(payload: WeightPayload, edit) -> WeightPayload:
 
 @pytest.fixture(scope="module", params=["tmpfs", "memory"])
 def rollout(request, tiny_model_path: Path):
-    r = VLLMRollout(tiny_model_path, lora_rank=8, max_model_len=128, seed=0, adapter_transport=request.param)
+    args = vllm_engine_args.build(tiny_model_path, lora_rank=8, max_model_len=128, seed=0, on_cpu=True)
+    r = VLLMRollout(args, adapter_transport=request.param)
     yield r
     r.shutdown()
 
@@ -231,7 +233,8 @@ def test_merged_weights_fingerprint(tiny_model_path: Path, peft_model):
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     state = merged.merge_and_unload().state_dict()
-    with VLLMRollout(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, fingerprint_base=True) as r:
+    args = vllm_engine_args.build(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, on_cpu=True)
+    with VLLMRollout(args, fingerprint_base=True) as r:
         r.apply(WeightPayload.base(state.items()))
         match, checked = transport.verify_weights(r, rank=0)
         # The CPU build keeps linear weights only packed for its GEMM library: embeddings and

@@ -60,7 +60,8 @@ def make_worker(model: str, cache: Path, *overrides: str):
     from hydra.core.global_hydra import GlobalHydra
 
     from lorarl.config.compose import to_run_config
-    from lorarl.trainer import prepare_model
+    from lorarl.messages import Rendezvous
+    from lorarl.prepare import prepare_model, worker_spec
     from lorarl.worker import Worker
 
     os.environ["LORARL_CACHE"] = str(cache)
@@ -79,11 +80,11 @@ def make_worker(model: str, cache: Path, *overrides: str):
     GlobalHydra.instance().clear()
     run = to_run_config(cfg)
     prepare_model(run)
-    worker = Worker(run, rank=0, world_size=1, device="cpu")
+    worker = Worker(worker_spec(run, "cpu"), rank=0, world_size=1, device="cpu")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker.setup("127.0.0.1", port)
+    worker.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
     return worker
 
 

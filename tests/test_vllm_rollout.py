@@ -15,6 +15,7 @@ import torch
 from lorarl.data import arith
 from lorarl.errors import ConfigError, SyncError
 from lorarl.models.tiny import prompt_ids
+from lorarl.rollout import vllm_engine_args
 from lorarl.rollout.vllm import VLLMRollout
 from lorarl.sync.payload import PayloadKind, WeightPayload
 
@@ -24,9 +25,11 @@ NEW_TOKENS = 8
 MAX_LEN = 128
 
 
-def make_rollout(path: Path, **kw) -> VLLMRollout:
+def make_rollout(path: Path, adapter_transport: str = "tmpfs", **kw) -> VLLMRollout:
+    """`kw`: engine arguments (vllm_engine_args.build)."""
     kw.setdefault("lora_rank", 8)
-    return VLLMRollout(path, max_model_len=MAX_LEN, seed=0, **kw)
+    args = vllm_engine_args.build(path, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
+    return VLLMRollout(args, adapter_transport=adapter_transport)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ def split_costs(run, hf, splits: dict[str, int]) -> list[str]:
     """What holding whole sequences costs where verl split them: lorarl's estimate of the
     update's peak on one device (lorarl.memory), of which verl's split holds about 1/N of the
     activations."""
-    from lorarl.memory import GIB, ModelDims, run_update_bytes
+    from lorarl.memory import GIB, ModelDims
+    from lorarl.prepare import run_update_bytes
 
     mp = run.backend.model_parallel_size()
     need = run_update_bytes(run, ModelDims.of(hf), max(1, run.world_size // mp), mp)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 GIB = 1 << 30
 MARGIN_FACTOR = 1.25  # allocator fragmentation and what the estimate leaves out
 MARGIN_BYTES = 2 * GIB  # CUDA/NCCL workspaces, the probe's forwards, the payload copies
@@ -126,48 +124,6 @@ def update_bytes(
     return (activations + logits + held) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
 
 
-def run_update_tokens(run, dp_size: int) -> int:
-    """Padded tokens of a run's largest possible update micro-batch (`run` a RunConfig): the token
-    budget, or the micro-batch's rows at the longest prompt + response the data allows."""
-    a, d = run.actor, run.data
-    seq = d.max_prompt_length + d.max_response_length
-    if a.use_dynamic_bsz:
-        return max(a.ppo_max_token_len_per_gpu, seq)
-    rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // dp_size)
-    return min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
-
-
-def trainer_base_bytes(d: ModelDims, dtype_bytes: int, dp_size: int, shared: bool) -> int:
-    """The trainer's own copy of the frozen base on one device, beside vLLM's whole one: none when
-    it is a view of vLLM's (backend.share_base, lorarl.engines.shared_base), else its FSDP shard."""
-    return 0 if shared else weight_numel(d, tied_head=False) * dtype_bytes // dp_size
-
-
-def run_update_bytes(run, dims: ModelDims, dp_size: int, model_parallel: int, shared_base: bool = False) -> int:
-    """`update_bytes` for a run's largest micro-batch on one device (`run_update_tokens`). With
-    `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes."""
-    from lorarl.engines import backend_of
-
-    d = run.data
-    seq = d.max_prompt_length + d.max_response_length
-    tokens = run_update_tokens(run, dp_size)
-    backend = backend_of(run)
-    return update_bytes(
-        dims,
-        tokens=tokens,
-        response_tokens=tokens * d.max_response_length // seq,
-        checkpointing=run.model.enable_gradient_checkpointing,
-        rank=run.model.lora.rank,
-        targets=list(run.model.lora.target_modules),
-        dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
-        model_parallel=model_parallel,
-        head_at_every_position=backend.head_at_every_position,
-        vocab_parallel=backend.head_at_every_position and getattr(run.backend, "tensor_model_parallel_size", 1) > 1,
-        gathered_weights_held=getattr(run.backend, "reshard_after_forward", True) is False and not shared_base,
-        attention_scores_width=seq if getattr(run.backend, "transformer_impl", None) == "local" else 0,
-    )
-
-
 @dataclass(frozen=True)
 class SleepPlan:
     sleeps: bool
@@ -193,7 +149,7 @@ def plan_sleep(setting: bool | None, free_bytes: int = 0, need_bytes: int = 0) -
 def plan_from_peak(free_bytes: int, peak_bytes: int, tokens: int, max_tokens: int) -> SleepPlan:
     """The plan from an update that ran: `peak_bytes` it allocated beyond what was there before
     (log-prob passes included), with `tokens` padded positions in its largest micro-batch, scaled
-    to the largest micro-batch the run allows (`max_tokens`, run_update_tokens). Activations and
+    to the largest micro-batch the run allows (`max_tokens`, lorarl.prepare.run_update_tokens). Activations and
     logits grow with the tokens; what does not (the LoRA optimizer state) only adds to the
     scaled need, so the scaling errs towards sleeping."""
     largest = max(max_tokens, tokens)

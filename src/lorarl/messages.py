@@ -4,8 +4,8 @@ One dataclass per call, so the driver's fields and the worker's reads are checke
 by position. A request carries the values the worker and its engine need (temperature, n,
 lengths, seed), so they never read them from the run config behind the trainer's back.
 What a step's update and sync measured comes back typed (UpdateReport, SyncReport); each turns
-itself into the flat `{"group/name": value}` metrics the trackers log (`metrics()`), the names
-lorarl.metrics describes.
+itself into the flat `{"group/name": value}` metrics the trackers log (`metrics()`), with the keys
+taken from lorarl.metrics' list.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from lorarl import metrics as keys
 
 if TYPE_CHECKING:
     from lorarl.sync.payload import SyncStats
@@ -34,11 +36,14 @@ class GenerateRequest:
 
 @dataclass
 class Rollouts:
-    """Per prompt, the n sampled responses and the sampler's log-prob of each of their tokens."""
+    """Per prompt, the n sampled responses and the sampler's log-prob of each of their tokens,
+    and the adapter version that sampled them (the updates it had had: SyncRequest.version of the
+    last sync before the generation began)."""
 
     token_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]
     seconds: float
+    adapter_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,25 @@ class UpdateRequest:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where Ray placed a worker (Worker.location): its node's id and IP, its process id, and the
+    GPUs it sees (empty on CPU)."""
+
+    node_id: str
+    ip: str
+    pid: int
+    gpus: list[str]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the workers' process group meets (Worker.setup): rank 0's address and a free port."""
+
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
 class WorkerSetup:
     """A worker after setup: its data-parallel place, whether its rollout sleeps during the
     update (a line for the log), and how long its two start-up stages took."""
@@ -74,17 +98,20 @@ class WorkerSetup:
     dp_rank: int
     dp_size: int
     sleep_plan: str
+    rollout_sleeps: bool  # the plan sleeps vLLM during the update: generation cannot overlap it
     rollout_start_seconds: float  # the vLLM engine: weights, compile, KV cache, CUDA graphs
     engine_build_seconds: float  # the training engine: model, LoRA, sharding, optimizer
-    base_plan: str = ""  # one copy of the base or two, and why (lorarl.engines.shared_base)
 
 
 @dataclass(frozen=True)
 class SyncRequest:
-    """Bring every rollout up to date after the update of `step` (0: before training starts)."""
+    """Bring every rollout up to date after the update of `step` (0: before training starts).
+    `version`: the updates the synced adapter has had, which the rollouts it samples carry
+    (None: `step`; a resumed run's first sync, at step 0, sends its checkpoint's step)."""
 
     step: int
     last: bool
+    version: int | None = None
 
 
 def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
@@ -96,28 +123,11 @@ def reduce_metrics(values: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-# The keys lorarl.algorithms.ppo.ppo_update reports that UpdateReport has fields for; the rest (the
-# rollout correction's rollout_corr/*, a loss's own actor/* extras) travel in `extra`.
-_PPO_FIELDS = {
-    "actor/pg_loss": "pg_loss",
-    "actor/pg_clipfrac": "pg_clipfrac",
-    "actor/ppo_kl": "ppo_kl",
-    "actor/pg_clipfrac_lower": "pg_clipfrac_lower",
-    "actor/entropy": "entropy",
-    "actor/kl_loss": "kl_loss",
-    "actor/padding_frac": "padding_frac",
-    "actor/grad_norm": "grad_norm",
-    "actor/micro_batches": "micro_batches",
-    "actor/micro_batch_tokens_max": "micro_batch_tokens_max",
-    "actor/lr": "lr",
-}
-
-
 @dataclass
-class UpdateReport:
-    """One data-parallel replica's update: the PPO update's numbers (means over micro-batches and
-    mini-batches, lorarl.algorithms.ppo.ppo_update) and the worker's timings around it. None: not measured
-    this step (entropy with the metric off, KL loss off, off-policy passes skipped, memory on CPU)."""
+class PPOStats:
+    """What the PPO update measured on one replica (lorarl.algorithms.ppo.ppo_update): means over
+    micro-batches and mini-batches, the largest for `*_max`. None: not measured (entropy with the
+    metric off, KL loss off)."""
 
     pg_loss: float
     pg_clipfrac: float
@@ -128,47 +138,67 @@ class UpdateReport:
     micro_batches: float
     micro_batch_tokens_max: float  # largest padded micro-batch (what the sleep plan scales from)
     lr: float
+    entropy: float | None = None
+    kl_loss: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # rollout_corr/*, a loss's other actor/* keys
+
+    @classmethod
+    def of(cls, measured: dict[str, float]) -> PPOStats:
+        """From the update's values by logged key: the keys with a field here go to it, the rest to `extra`."""
+        named = {name: measured[m.key] for name, m in _PPO_KEYS if m.key in measured}
+        keys = {m.key for _, m in _PPO_KEYS}
+        return cls(**named, extra={k: v for k, v in measured.items() if k not in keys})
+
+    def metrics(self) -> dict[str, float]:
+        """The logged keys, in the order the run logs them: the extras first, as the loss reports them."""
+        out = dict(self.extra)
+        for name, m in _PPO_KEYS:
+            _put(out, m.key, getattr(self, name))
+        return out
+
+
+# PPOStats' fields and the keys they are logged as, in the run's order.
+_PPO_KEYS = (
+    ("pg_loss", keys.ACTOR_PG_LOSS),
+    ("pg_clipfrac", keys.ACTOR_PG_CLIPFRAC),
+    ("ppo_kl", keys.ACTOR_PPO_KL),
+    ("pg_clipfrac_lower", keys.ACTOR_PG_CLIPFRAC_LOWER),
+    ("entropy", keys.ACTOR_ENTROPY),
+    ("kl_loss", keys.ACTOR_KL_LOSS),
+    ("padding_frac", keys.ACTOR_PADDING_FRAC),
+    ("grad_norm", keys.ACTOR_GRAD_NORM),
+    ("micro_batches", keys.ACTOR_MICRO_BATCHES),
+    ("micro_batch_tokens_max", keys.ACTOR_MICRO_BATCH_TOKENS_MAX),
+    ("lr", keys.ACTOR_LR),
+)
+
+
+@dataclass
+class UpdateReport:
+    """One data-parallel replica's update: the PPO update's numbers and the worker's timings
+    around it. None: not measured this step (off-policy passes skipped, memory on CPU)."""
+
+    ppo: PPOStats
     slept: bool  # the rollout slept during this update (its sleep plan)
     sleep_seconds: float
     update_seconds: float
-    entropy: float | None = None
-    kl_loss: float | None = None
     old_logp_seconds: float | None = None
     ref_logp_seconds: float | None = None
     max_allocated_gib: float | None = None
     update_peak_gib: float | None = None
     alloc_retries: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)  # rollout_corr/*, a loss's other actor/* keys
-
-    @classmethod
-    def of(cls, ppo_metrics: dict[str, float], **worker) -> UpdateReport:
-        """From ppo_update's metrics and the worker's own fields (timings, sleeps, memory)."""
-        named = {f: ppo_metrics[k] for k, f in _PPO_FIELDS.items() if k in ppo_metrics}
-        extra = {k: v for k, v in ppo_metrics.items() if k not in _PPO_FIELDS}
-        return cls(**named, **worker, extra=extra)
 
     def metrics(self) -> dict[str, float]:
         """The logged keys, in the order the run logs them."""
-        out = dict(self.extra)
-        out["actor/pg_loss"] = self.pg_loss
-        out["actor/pg_clipfrac"] = self.pg_clipfrac
-        out["actor/ppo_kl"] = self.ppo_kl
-        out["actor/pg_clipfrac_lower"] = self.pg_clipfrac_lower
-        _put(out, "actor/entropy", self.entropy)
-        _put(out, "actor/kl_loss", self.kl_loss)
-        out["actor/padding_frac"] = self.padding_frac
-        out["actor/grad_norm"] = self.grad_norm
-        out["actor/micro_batches"] = self.micro_batches
-        out["actor/micro_batch_tokens_max"] = self.micro_batch_tokens_max
-        out["actor/lr"] = self.lr
-        _put(out, "memory/max_allocated_gib", self.max_allocated_gib)
-        _put(out, "memory/update_peak_gib", self.update_peak_gib)
-        _put(out, "memory/alloc_retries", self.alloc_retries)
-        out["timing/sleep"] = self.sleep_seconds
-        out["rollout/sleeps"] = float(self.slept)
-        _put(out, "timing/old_logp", self.old_logp_seconds)
-        _put(out, "timing/ref_logp", self.ref_logp_seconds)
-        out["timing/update"] = self.update_seconds
+        out = self.ppo.metrics()
+        _put(out, keys.MEMORY_MAX_ALLOCATED_GIB.key, self.max_allocated_gib)
+        _put(out, keys.MEMORY_UPDATE_PEAK_GIB.key, self.update_peak_gib)
+        _put(out, keys.MEMORY_ALLOC_RETRIES.key, self.alloc_retries)
+        out[keys.TIMING_SLEEP.key] = self.sleep_seconds
+        out[keys.ROLLOUT_SLEEPS.key] = float(self.slept)
+        _put(out, keys.TIMING_OLD_LOGP.key, self.old_logp_seconds)
+        _put(out, keys.TIMING_REF_LOGP.key, self.ref_logp_seconds)
+        out[keys.TIMING_UPDATE.key] = self.update_seconds
         return out
 
 
@@ -234,32 +264,35 @@ class SyncReport:
 
     def metrics(self) -> dict[str, float | int | str]:
         """The logged `sync/*` keys (and `timing/wake`), in the order the run logs them."""
-        out: dict[str, float | int | str] = {
-            "sync/kind": self.kind,
-            "sync/num_tensors": self.num_tensors,
-            "sync/bytes": self.bytes,
-            "sync/gather_seconds": self.gather_seconds,
-            "sync/transfer_seconds": self.transfer_seconds,
-            "sync/load_seconds": self.load_seconds,
-            "sync/seconds": self.seconds,
-            "sync/num_adapters": self.num_adapters,
-        }
-        for name in (
-            "weights_match",
-            "weights_checked",
-            "weights_check_seconds",
-            "adapter_match",
-            "adapter_check_seconds",
-            "adapter_meaning",
-            "meaning_check_seconds",
-            "logprob_diff_max",
-            "logprob_diff_mean",
-            "logprob_ref_diff_mean",
-            "probe_seconds",
-        ):
-            _put(out, f"sync/{name}", getattr(self, name))
-        _put(out, "timing/wake", self.wake_seconds)
+        out: dict[str, float | int | str] = {}
+        for name, m in _SYNC_KEYS:
+            _put(out, m.key, getattr(self, name))
         return out
+
+
+# SyncReport's fields and the keys they are logged as, in the run's order (None values are not logged).
+_SYNC_KEYS = (
+    ("kind", keys.SYNC_KIND),
+    ("num_tensors", keys.SYNC_NUM_TENSORS),
+    ("bytes", keys.SYNC_BYTES),
+    ("gather_seconds", keys.SYNC_GATHER_SECONDS),
+    ("transfer_seconds", keys.SYNC_TRANSFER_SECONDS),
+    ("load_seconds", keys.SYNC_LOAD_SECONDS),
+    ("seconds", keys.SYNC_SECONDS),
+    ("num_adapters", keys.SYNC_NUM_ADAPTERS),
+    ("weights_match", keys.SYNC_WEIGHTS_MATCH),
+    ("weights_checked", keys.SYNC_WEIGHTS_CHECKED),
+    ("weights_check_seconds", keys.SYNC_WEIGHTS_CHECK_SECONDS),
+    ("adapter_match", keys.SYNC_ADAPTER_MATCH),
+    ("adapter_check_seconds", keys.SYNC_ADAPTER_CHECK_SECONDS),
+    ("adapter_meaning", keys.SYNC_ADAPTER_MEANING),
+    ("meaning_check_seconds", keys.SYNC_MEANING_CHECK_SECONDS),
+    ("logprob_diff_max", keys.SYNC_LOGPROB_DIFF_MAX),
+    ("logprob_diff_mean", keys.SYNC_LOGPROB_DIFF_MEAN),
+    ("logprob_ref_diff_mean", keys.SYNC_LOGPROB_REF_DIFF_MEAN),
+    ("probe_seconds", keys.SYNC_PROBE_SECONDS),
+    ("wake_seconds", keys.TIMING_WAKE),
+)
 
 
 def _put(out: dict, key: str, value) -> None:

@@ -254,7 +254,7 @@ def check_model(run: RunConfig):
     archs = check_causal_lm(m.path, hf_cfg)
     if not m.lora.merge:
         check_vllm_lora(m.path, archs)
-    if backend_of(run).checks_hf_lora_targets:
+    if backend_of(run.backend.strategy).checks_hf_lora_targets:
         check_lora_targets(m.path, hf_cfg, list(m.lora.target_modules), m.trust_remote_code)
     check_weights_format(m.path)
     return hf_cfg

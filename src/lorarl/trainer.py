@@ -5,6 +5,9 @@
     -> old and reference log-probs, PPO update (workers, FSDP collectives)
     -> sync weights into vLLM -> log
 
+With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
+the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
+
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
 """
@@ -21,41 +24,27 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lorarl import metrics as keys
 from lorarl.algorithms import advantages
 from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
-from lorarl.config.validate import check_model_shape_of
-from lorarl.engines import backend_of
 from lorarl.errors import LorarlError
-from lorarl.messages import GenerateRequest, Sampling, SyncReport, SyncRequest, UpdateRequest, reduce_metrics
-from lorarl.tracking import Tracker, check_loggers, console, redact
+from lorarl.messages import (
+    GenerateRequest,
+    Rollouts,
+    Sampling,
+    SyncReport,
+    SyncRequest,
+    UpdateRequest,
+    reduce_metrics,
+)
+from lorarl.off_policy import Ahead, BatchAhead, staleness
+from lorarl.tracking import Tracker, console, redact
 
-
-def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        from lorarl.errors import ConfigError
-
-        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
-    return requested
-
-
-def prepare_model(run: RunConfig) -> str:
-    """Local path of the model, building the embedded one on first use.
-
-    The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
-    gives means that model, so a mistyped one fails in preflight instead of training a toy."""
-    from lorarl.config.schema import cache_dir
-
-    path = os.path.expanduser(run.model.path)
-    if run.model.builder is not None and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
-        from lorarl.models.tiny import ensure_built
-
-        ensure_built(run.model.builder, path, seed=0)
-    run.model.path = path
-    return path
+# Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
+# time, so validation numbers of two steps differ only by the weights.
+VALIDATION_SEED = 12345
 
 
 def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int:
@@ -78,38 +67,6 @@ def sampling_of(run: RunConfig) -> Sampling:
     )
 
 
-def prepare_data(run: RunConfig) -> None:
-    """Expand the data paths and check that each file the run reads exists.
-
-    A generator (data.generator) writes its task only inside the lorarl cache, where its data
-    preset puts it: a path the user gives means that file, so a mistyped one fails here in one
-    line, before anything starts, and nothing is written there."""
-    from lorarl.config.schema import cache_dir
-    from lorarl.errors import DataError
-
-    d = run.data
-    d.train_files = [os.path.expanduser(f) for f in d.train_files]
-    d.val_files = [os.path.expanduser(f) for f in d.val_files]
-    cache = Path(cache_dir()).absolute()
-    if d.generator is not None and Path(d.train_files[0]).absolute().is_relative_to(cache):
-        from lorarl.data import dataset, token_share
-
-        ensure = {"arith": dataset.ensure_arith_parquet, "token_share": token_share.ensure_parquet}[d.generator]
-        if not d.val_files:
-            d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
-        if Path(d.val_files[0]).absolute().is_relative_to(cache):
-            ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
-    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
-    read = [("data.train_files", d.train_files)] + ([("data.val_files", d.val_files)] if validation else [])
-    for key, files in read:
-        for file in files:
-            if not Path(file).is_file():
-                raise DataError(
-                    f"{key}: data file {file!r} not found; fix the path, or write the file with "
-                    f"scripts/prepare_gsm8k.py or scripts/prepare_math.py (docs/data.md)"
-                )
-
-
 def run(cfg: DictConfig) -> float | None:
     """Entry point behind `python -m recipes.grpo`: returns the final mean reward."""
     from hydra.core.hydra_config import HydraConfig
@@ -125,39 +82,22 @@ def run(cfg: DictConfig) -> float | None:
 
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
-        from lorarl.data.batches import prompt_batches
-        from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
-        from lorarl.rewards import check_items
+        from lorarl.prepare import prepare
 
-        t0 = time.perf_counter()
         self.run = run
         self.out_dir = Path(out_dir)
         self.workers = None
         self.tracker = None
-        self.device = resolve_device(run.trainer.device)
-        backend = backend_of(run)
-        if backend.needs_cuda and self.device != "cuda":
-            from lorarl.errors import ConfigError
-
-            why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"trainer.device={run.trainer.device}"
-            raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
-        prepare_model(run)
-        prepare_data(run)
-        check_loggers(run.trainer.logger)
-        # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
-        hf_cfg = check_model(run)
-        check_engine_kwargs(run)
-        check_model_shape_of(run, hf_cfg)
-        self.tokenizer = load_tokenizer(run)
-        d = run.data
-
-        validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
-        # DAPO oversampling: each generation round draws data.gen_batch_size prompts (prompt_batches).
-        self.loader, self.val_items, self.dropped_prompts = prompt_batches(
-            d, self.tokenizer, run.trainer.seed, validation
+        # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
+        prepared = prepare(run)
+        self.device = prepared.device
+        self.worker_spec = prepared.worker_spec
+        self.tokenizer = prepared.tokenizer
+        self.loader, self.val_items, self.dropped_prompts = (
+            prepared.loader,
+            prepared.val_items,
+            prepared.dropped_prompts,
         )
-        for items in (self.loader.items, self.val_items):
-            check_items(items, d.reward_fn)  # every prompt can be scored, before any rollout
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         self.sampling = sampling_of(run)
@@ -167,7 +107,12 @@ class GRPOTrainer:
         )
         self.ckpt.clean_partial()
         self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
-        self.prepare_seconds = time.perf_counter() - t0  # model, data and tokenizer checks
+        self.prepare_seconds = prepared.seconds
+        # trainer.off_policy_steps=1: the batch generated during the last update, and whether the
+        # workers can overlap the two (decided in fit, from their sleep plans).
+        self.ahead: BatchAhead | None = None
+        self.overlap = False
+        self.sampled_version = 0
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -183,35 +128,47 @@ class GRPOTrainer:
         )
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
-        self.workers = WorkerGroup(self.run, self.device, run_dir=self.out_dir, say=say)
+        self.workers = WorkerGroup(self.run, self.worker_spec, self.device, run_dir=self.out_dir, say=say)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
         say(f"workers: {describe_placement(self.workers.placement)}")
-        node_ids = [where["node_id"] for where in self.workers.placement]
-        placement = {"init/num_nodes": len(set(node_ids)), "init/worker_node_ids": ",".join(node_ids)}
-        for plan in dict.fromkeys(self.workers.base_plans + self.workers.sleep_plans):
+        node_ids = [where.node_id for where in self.workers.placement]
+        placement = {keys.INIT_NUM_NODES.key: len(set(node_ids)), keys.INIT_WORKER_NODE_IDS.key: ",".join(node_ids)}
+        for plan in dict.fromkeys([str(self.worker_spec.base_plan), *self.workers.sleep_plans]):
             say(plan)
-        merge = self.run.model.lora.merge
-        if self.run.trainer.check_sync and not backend_of(self.run).checks_meaning(merge):
+        sync = self.worker_spec.sync
+        if sync.check and not sync.semantic:
             say(
                 f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet for "
-                f"{'merged' if merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
+                f"{'merged' if sync.merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
                 "probe check each sync"
             )
+        if tc.off_policy_steps:
+            self.overlap = not self.workers.rollout_sleeps
+            if not self.overlap:
+                say(
+                    f"trainer.off_policy_steps={tc.off_policy_steps}: vLLM sleeps during the update (the plan above), "
+                    "so generation cannot run beside it; this run stays on-policy"
+                )
         resumed = self.resume_from is not None
         if resumed:
             self.load_checkpoint(self.resume_from)
             # The steps after the checkpoint run again: their rows from the stopped process go.
             self.tracker.drop_after(self.step)
             say(f"resumed from {self.resume_from} at step {self.step}")
+            if self.overlap:
+                say(
+                    f"off-policy resume: the batch that was in flight at the checkpoint is generated again, by the "
+                    f"checkpoint's adapter (same prompts and seeds; rollout/staleness 0 at step {self.step + 1})"
+                )
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.workers.sync(SyncRequest(step=0, last=False))
+        first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))
         startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
         startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
         # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
         # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
         pending = startup_row if 0 < self.step < self.total_steps else {}
         if not pending:
-            self.tracker.log(startup_row, step=self.step)
+            self.log(startup_row, step=self.step)
         say(
             f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
             f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
@@ -221,7 +178,7 @@ class GRPOTrainer:
             f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
         )
         if tc.val_before_train and self.val_items and not resumed:
-            self.tracker.log(self.validate(), step=0)
+            self.log(self.validate(), step=0)
         last_reward = None
         bar = tqdm(
             total=self.total_steps, initial=self.step, desc="grpo", disable=not tc.progress_bar, dynamic_ncols=True
@@ -237,14 +194,14 @@ class GRPOTrainer:
                 ):
                     metrics.update(self.validate())
                 if tc.save_freq > 0 and (self.step % tc.save_freq == 0 or self.step == self.total_steps):
-                    metrics["timing/save"] = self.save_checkpoint()
+                    metrics[keys.TIMING_SAVE.key] = self.save_checkpoint()
             except LorarlError as err:
                 raise type(err)(self._stopped_at(err)) from err
             if sync.sleep_plan:
                 say(f"step {self.step}: from the next step the {sync.sleep_plan}")
-            self.tracker.log({**pending, **metrics}, step=self.step)
+            self.log({**pending, **metrics}, step=self.step)
             pending = {}
-            last_reward = metrics["reward/mean"]
+            last_reward = metrics[keys.REWARD_MEAN.key]
             bar.update(1)
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
         bar.close()
@@ -258,6 +215,10 @@ class GRPOTrainer:
             plots = plot(self.out_dir)
             say(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
         return last_reward
+
+    def log(self, row: dict, step: int) -> None:
+        """One row of metrics. Every key is one of lorarl.metrics' list (a KeyError names one that is not)."""
+        self.tracker.log({keys.checked(k): v for k, v in row.items()}, step=step)
 
     def _stopped_at(self, err: LorarlError) -> str:
         """The error with the step it stopped at and the checkpoint a relaunch would resume from."""
@@ -277,7 +238,11 @@ class GRPOTrainer:
         try:
             self.workers.save_checkpoint(str(tmp))
             config_yaml = OmegaConf.to_yaml(redact(self.run.to_dict()))
-            write_trainer_state(tmp, self.step, self.loader.state_dict(), random.getstate(), config_yaml)
+            # A batch generated ahead is not saved: the loader is saved as it was before drawing
+            # it, and a resumed run draws and generates it again (fit says so).
+            ahead = self.ahead
+            loader_state = ahead.loader_state if ahead else self.loader.state_dict()
+            write_trainer_state(tmp, self.step, loader_state, ahead.rng if ahead else random.getstate(), config_yaml)
             self.ckpt.commit(tmp, self.step)
         except BaseException:
             self.ckpt.abort(tmp)
@@ -293,12 +258,22 @@ class GRPOTrainer:
 
     def train_step(self) -> tuple[dict, SyncReport]:
         """One GRPO step: three calls to the workers (generate; update; sync). Returns the step's
-        metrics and the merged sync report (its kind and a changed sleep plan go to the console)."""
+        metrics and the merged sync report (its kind and a changed sleep plan go to the console).
+        Off-policy, the batch is the one generated during the last update, and the next one is
+        generated during this update (start_generate; collected before the sync)."""
         t_step = time.perf_counter()
-        groups, gen_rounds, t_gen = self.rollout_groups()
+        if self.ahead is None:
+            groups, gen_rounds, t_gen = self.rollout_groups()
+            version, epoch = self.sampled_version, self.loader.epoch
+        else:
+            ahead, self.ahead = self.ahead, None
+            groups, gen_rounds, t_gen, version, epoch = ahead.groups, 1, ahead.seconds, ahead.version, ahead.epoch
+        next_ahead = self.start_ahead() if self.overlap and self.step < self.total_steps else None
         t0 = time.perf_counter()
         train = self.workers.update(self.update_requests(groups))
         t_update = time.perf_counter() - t0
+        if next_ahead is not None:
+            self.ahead = next_ahead.collect(self.workers.collect_generate(), self.score_groups)
         t0 = time.perf_counter()
         sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
         t_sync = time.perf_counter() - t0
@@ -307,27 +282,38 @@ class GRPOTrainer:
         lengths = [len(s) for g in groups for s in g.samples]
         replicas = [report.metrics() for report in train]
         metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "response_length/mean": sum(lengths) / len(lengths),
-            "response_length/max": max(lengths),
+            keys.REWARD_MEAN.key: float(rewards.mean()),
+            keys.REWARD_STD.key: float(rewards.std()) if len(rewards) > 1 else 0.0,
+            keys.RESPONSE_LENGTH_MEAN.key: sum(lengths) / len(lengths),
+            keys.RESPONSE_LENGTH_MAX.key: max(lengths),
             **reduce_metrics({k: [replica[k] for replica in replicas] for k in replicas[0]}),
             **sync.metrics(),
         }
         fg = self.run.algorithm.filter_groups
         if fg.enable:
-            metrics["data/gen_rounds"] = gen_rounds
-            metrics["data/groups_with_signal"] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
+            metrics[keys.DATA_GEN_ROUNDS.key] = gen_rounds
+            metrics[keys.DATA_GROUPS_WITH_SIGNAL.key] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
         if self.run.algorithm.overlong_buffer.enable:
             penalties = [p for g in groups for p in g.overlong]
-            metrics["reward/overlong_reward"] = sum(penalties) / len(penalties)
-            metrics["reward/overlong"] = sum(p < 0 for p in penalties) / len(penalties)
-        metrics["timing/gen"] = t_gen
-        metrics["timing/train"] = t_update
-        metrics["timing/sync"] = t_sync
-        metrics["timing/step"] = time.perf_counter() - t_step
-        metrics["data/epoch"] = self.loader.epoch
+            metrics[keys.REWARD_OVERLONG_REWARD.key] = sum(penalties) / len(penalties)
+            metrics[keys.REWARD_OVERLONG.key] = sum(p < 0 for p in penalties) / len(penalties)
+        metrics[keys.TIMING_GEN.key] = t_gen
+        metrics[keys.TIMING_TRAIN.key] = t_update
+        metrics[keys.TIMING_SYNC.key] = t_sync
+        metrics[keys.TIMING_STEP.key] = time.perf_counter() - t_step
+        metrics[keys.DATA_EPOCH.key] = epoch
+        if self.run.trainer.off_policy_steps:
+            bound = self.run.trainer.off_policy_steps if self.overlap else 0
+            metrics[keys.ROLLOUT_STALENESS.key] = staleness(self.step, version, bound)
         return metrics, sync
+
+    def start_ahead(self) -> Ahead:
+        """Draw the next step's prompts and begin their generation on the workers (returns at once)."""
+        state = (self.loader.state_dict(), random.getstate())
+        prompts = self.loader.next_batch()
+        shards, requests = self.generation_requests(prompts, self.step + 1)
+        self.workers.start_generate(requests)
+        return Ahead(shards, self.loader.epoch, *state)
 
     def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
         """Group-normalised advantages; prompt groups split contiguously over data-parallel replicas."""
@@ -376,23 +362,35 @@ class GRPOTrainer:
 
     def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[PromptGroup], float]:
         """rollout.n samples of each prompt from vLLM (prompts split over its engines), scored."""
-        r, d, alg = self.run.rollout, self.run.data, self.run.algorithm
+        shards, requests = self.generation_requests(prompts, self.step, round_index)
+        gen = self.workers.generate(requests)
+        self.sampled_version = min(rollouts.adapter_version for rollouts in gen)
+        return self.score_groups(shards, gen), max(rollouts.seconds for rollouts in gen)
+
+    def generation_requests(
+        self, prompts: list, step: int, round_index: int = 0
+    ) -> tuple[list[list], list[GenerateRequest]]:
+        """The prompts split over the rollout engines, and each engine's request for `step`."""
+        r, d = self.run.rollout, self.run.data
         shards = _split(prompts, self.workers.rollout_size)
         seed = self.run.trainer.seed
-        gen = self.workers.generate(
-            [
-                GenerateRequest(
-                    prompt_ids=[p.prompt_ids for p in shard],
-                    n=r.n,
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    max_tokens=d.max_response_length,
-                    seed=sampling_seed(seed, self.step, i, round_index),
-                    for_training=True,
-                )
-                for i, shard in enumerate(shards)
-            ]
-        )
+        requests = [
+            GenerateRequest(
+                prompt_ids=[p.prompt_ids for p in shard],
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=d.max_response_length,
+                seed=sampling_seed(seed, step, i, round_index),
+                for_training=True,
+            )
+            for i, shard in enumerate(shards)
+        ]
+        return shards, requests
+
+    def score_groups(self, shards: list[list], gen: list[Rollouts]) -> list[PromptGroup]:
+        """Each prompt's samples scored, with DAPO's overlong penalty when on."""
+        d, alg = self.run.data, self.run.algorithm
         ob = alg.overlong_buffer
         buffer = (ob.len or max(1, d.max_response_length // 5)) if ob.enable else 0
         groups = []
@@ -407,7 +405,7 @@ class GRPOTrainer:
                 ]
                 rewards = [x + p for x, p in zip(scores, overlong)]
                 groups.append(PromptGroup(item, samples, lps, rewards, scores, overlong))
-        return groups, max(rollouts.seconds for rollouts in gen)
+        return groups
 
     def score(self, item, response_ids: list[int]) -> float:
         from lorarl.rewards import RESPONSE_IDS, get_reward_fn
@@ -427,7 +425,13 @@ class GRPOTrainer:
         gen = self.workers.generate(
             [
                 GenerateRequest(
-                    [p.prompt_ids for p in shard], vk.n, temperature, vk.top_p, d.max_response_length, 12345 + i, False
+                    prompt_ids=[p.prompt_ids for p in shard],
+                    n=vk.n,
+                    temperature=temperature,
+                    top_p=vk.top_p,
+                    max_tokens=d.max_response_length,
+                    seed=VALIDATION_SEED + i,
+                    for_training=False,
                 )
                 for i, shard in enumerate(shards)
             ],
@@ -439,7 +443,7 @@ class GRPOTrainer:
                 texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
                 token_ids.append([list(s) for s in samples])
         out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids)
-        out["timing/val"] = time.perf_counter() - t0
+        out[keys.TIMING_VAL.key] = time.perf_counter() - t0
         return out
 
     def close(self) -> None:

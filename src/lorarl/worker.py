@@ -13,6 +13,7 @@ import functools
 import gc
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -23,12 +24,11 @@ import torch.distributed as dist
 from lorarl.algorithms.batch import build_batch
 from lorarl.algorithms.ppo import Correction, needs_old_logp, ppo_update
 from lorarl.checkpoint import load_engine_state, save_engine_state
-from lorarl.config.run import RunConfig
-from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
-from lorarl.engines.shared_base import plan_for_worker
 from lorarl.messages import (
     GenerateRequest,
+    Placement,
+    Rendezvous,
     Rollouts,
     SyncReport,
     SyncRequest,
@@ -37,8 +37,9 @@ from lorarl.messages import (
     WorkerSetup,
 )
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout.sleep import RolloutSleep, can_sleep
+from lorarl.rollout.sleep import RolloutSleep
 from lorarl.rollout.vllm_base_views import engine_base_views
+from lorarl.specs import EngineSpec, WorkerSpec
 from lorarl.stall_report import stacks_after, stacks_file
 from lorarl.sync.session import SyncSession
 
@@ -55,7 +56,7 @@ def watched(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with stacks_after(self.stacks_path, self.run.trainer.stall_report_s):
+        with stacks_after(self.stacks_path, self.spec.stall_report_s):
             return method(self, *args, **kwargs)
 
     return call
@@ -64,14 +65,16 @@ def watched(method):
 class Worker:
     def __init__(
         self,
-        run: RunConfig,
+        spec: WorkerSpec,
+        *,
         rank: int,
         world_size: int,
         device: str,
         threads: int | None = None,
         run_dir: str | None = None,
     ):
-        self.run = run
+        """`spec`: all of the run's configuration this worker reads (lorarl.prepare builds it)."""
+        self.spec = spec
         self.rank = rank
         self.stacks_path = stacks_file(Path(run_dir), rank) if run_dir is not None else None
         self.world_size = world_size
@@ -82,19 +85,22 @@ class Worker:
         self.rollout = None
         self.sleep: RolloutSleep | None = None
         self.sync_session: SyncSession | None = None
+        self.adapter_version = 0  # updates the adapter vLLM holds has had (SyncRequest.version)
+        self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
+        self._side_stream = None  # CUDA: the stream that generation runs on
 
     # Ray calls these on every worker before anything else.
-    def location(self) -> dict:
+    def location(self) -> Placement:
         """Where Ray placed this worker: node id and IP, process id, and its GPUs (empty on CPU)."""
         import ray
 
         ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
-        }
+        return Placement(
+            node_id=ctx.get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            gpus=[str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+        )
 
     def free_port(self) -> int:
         """A TCP port free on this worker's node, for the process group's rendezvous (rank 0)."""
@@ -105,18 +111,20 @@ class Worker:
             return s.getsockname()[1]
 
     @watched
-    def setup(self, master_addr: str, master_port: int) -> WorkerSetup:
+    def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, rollout, then engine."""
         from lorarl.rollout.vllm import VLLMRollout
 
-        tp = self.run.rollout.tensor_model_parallel_size
+        master_addr, master_port = rendezvous.master_addr, rendezvous.master_port
+        spec = self.spec
+        tp = spec.rollout.tensor_parallel_size
         if tp > 1:
             # Consecutive ranks share one vLLM engine, each holding its tensor-parallel shard
             # (vLLM's external_launcher: one engine per process, the ranks found in the
             # torchrun variables and the process group made below). Each process sees its own
             # device only (Ray sets CUDA_VISIBLE_DEVICES per worker), so its local rank is 0 on
             # GPU; on CPU the rank within the node picks the cores vLLM binds its threads to.
-            local = 0 if self.device.type == "cuda" else self.rank % self.run.trainer.n_gpus_per_node
+            local = 0 if self.device.type == "cuda" else self.rank % spec.rollout.n_gpus_per_node
             os.environ.update(
                 RANK=str(self.rank),
                 LOCAL_RANK=str(local),
@@ -139,44 +147,37 @@ class Worker:
             world_size=self.world_size,
             device_id=self.device if cuda else None,
         )
-        seed_everything(self.run.trainer.seed + self.rank)
-        r, m = self.run.rollout, self.run.model
-        self.base_plan = plan_for_worker(self.run, self.device)
+        seed_everything(spec.seed + self.rank)
         # vLLM first: on a GPU it sizes its KV cache from the memory still free.
         t0 = time.perf_counter()
         self.rollout = VLLMRollout(
-            m.path,
-            lora_rank=None if m.lora.merge else m.lora.rank,
-            max_model_len=r.max_model_len or (self.run.data.max_prompt_length + self.run.data.max_response_length),
-            # The ranks of one engine sample in lockstep, so they share its seed.
-            seed=self.run.trainer.seed + self.rollout_rank,
-            dtype=r.dtype,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            tensor_parallel_size=r.tensor_model_parallel_size,
-            enable_expert_parallel=r.enable_expert_parallel,
-            load_format=r.load_format,
-            # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
-            enforce_eager=(self.device.type != "cuda") if r.enforce_eager is None else r.enforce_eager,
-            enable_sleep_mode=can_sleep(self.run, self.device),
-            adapter_transport=r.adapter_transport,
-            trust_remote_code=m.trust_remote_code,
-            fingerprint_base=self.run.trainer.check_sync,
-            engine_kwargs=r.engine_kwargs,
-            share_weights=self.base_plan.shared,
+            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
+            spec.rollout.engine_args[self.rollout_rank],
+            adapter_transport=spec.rollout.adapter_transport,
+            fingerprint_base=spec.rollout.fingerprint_base,
+            share_weights=spec.base_plan.shared,
         )
         t1 = time.perf_counter()
-        base = engine_base_views(self.rollout) if self.base_plan.shared else None
-        self.engine = make_engine(self.run, self.device, seed=self.run.trainer.seed, base=base)
+        # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
+        base = engine_base_views(self.rollout) if spec.base_plan.shared else None
+        self.engine = make_engine(spec.engine, self.device, base=base)
         t2 = time.perf_counter()
-        self.sleep = RolloutSleep(self.run, self.device, self.rollout, self.dp_size)
-        self.sync_session = SyncSession(self.run, self.engine, self.rollout, self.rank)
-        self.correction = Correction.of(self.run.algorithm.rollout_correction, self.device.type)
-        return WorkerSetup(self.dp_rank, self.dp_size, str(self.sleep.plan), t1 - t0, t2 - t1, str(self.base_plan))
+        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
+        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
+        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
+        return WorkerSetup(
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            sleep_plan=str(self.sleep.plan),
+            rollout_sleeps=self.sleep.sleeps,
+            rollout_start_seconds=t1 - t0,
+            engine_build_seconds=t2 - t1,
+        )
 
     @property
     def rollout_rank(self) -> int:
         """Which vLLM engine this worker holds a shard of; the workers of one engine get the same prompts."""
-        return self.rank // self.run.rollout.tensor_model_parallel_size
+        return self.rank // self.spec.rollout.tensor_parallel_size
 
     @property
     def dp_rank(self) -> int:
@@ -191,6 +192,7 @@ class Worker:
 
     @watched
     def generate(self, request: GenerateRequest) -> Rollouts:
+        version = self.adapter_version
         out = self.rollout.sample(
             request.prompt_ids,
             n=request.n,
@@ -201,7 +203,38 @@ class Worker:
         )
         if request.for_training and self.sync_session.wants_probes:
             self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
+        out.adapter_version = version
         return out
+
+    def generate_start(self, request: GenerateRequest) -> None:
+        """Begin `generate` in a thread of this process and return at once, so the update call that
+        follows runs beside it (trainer.off_policy_steps=1); generate_collect returns its result.
+        vLLM must stay awake for that: while the sleep plan sleeps it, the generation runs here,
+        before the update, and the overlap is lost but not the order."""
+        if self._in_flight is not None:
+            raise RuntimeError("generate_start: a generation is already in flight (generate_collect first)")
+        self._in_flight = InFlight(lambda: self._generate_on_side_stream(request))
+        if self.sleep.sleeps:
+            self._in_flight.wait()
+
+    def _generate_on_side_stream(self, request: GenerateRequest) -> Rollouts:
+        """`generate` on a CUDA stream of its own (the current stream is per thread), so its kernels
+        can run beside the update's on the default stream instead of queueing behind them."""
+        if self.device.type != "cuda":
+            return self.generate(request)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._side_stream):
+            out = self.generate(request)
+        self._side_stream.synchronize()
+        return out
+
+    def generate_collect(self) -> Rollouts:
+        """The result of the generation generate_start began (its error, raised here)."""
+        if self._in_flight is None:
+            raise RuntimeError("generate_collect: no generation in flight (generate_start first)")
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight.result()
 
     @watched
     def update(self, request: UpdateRequest) -> UpdateReport:
@@ -210,7 +243,7 @@ class Worker:
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
-        a, temperature = self.run.actor, request.sampling.temperature
+        a, temperature = self.spec.engine.actor, request.sampling.temperature
         timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -224,7 +257,7 @@ class Worker:
             self.engine.left_pad_prompts,
             request.rollout_logprobs,
         )
-        if needs_old_logp(a, self.run.data.train_batch_size, self.correction):
+        if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["old_logp_seconds"] = time.perf_counter() - t0
@@ -233,12 +266,12 @@ class Worker:
             batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
             timing["ref_logp_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        metrics = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
+        stats = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
         timing["update_seconds"] = time.perf_counter() - t0
-        report = UpdateReport.of(metrics, **timing)
+        report = UpdateReport(ppo=stats, **timing)
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(report.micro_batch_tokens_max))
+            self.sleep.record_update(highest - before, int(stats.micro_batch_tokens_max))
             report.max_allocated_gib = highest / 2**30
             report.update_peak_gib = (highest - before) / 2**30
             report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)
@@ -249,7 +282,10 @@ class Worker:
         """Wake the rollout's weights, sync and check them, wake its cache, probe. Collective.
 
         The cache wakes after the payloads are applied (their gathers have its memory) and
-        before the probe, which generates."""
+        before the probe, which generates. A generation still in flight (generate_start) ends
+        first: the adapter it samples with is never replaced under it."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
         t_wake = self.sleep.wake(["weights"])
         report = self.sync_session.sync(request)
         t_wake += self.sleep.wake(["kv_cache"])
@@ -258,6 +294,7 @@ class Worker:
             report.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.
         report.sleep_plan = self.sleep.replan()
+        self.adapter_version = request.step if request.version is None else request.version
         return report
 
     # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
@@ -305,13 +342,37 @@ class Worker:
         gc.collect()
 
 
-def make_engine(run: RunConfig, device: torch.device, *, seed: int, base: dict | None = None) -> Engine:
-    """The training engine the backend names (lorarl.engines.BACKENDS). An engine reads its own
-    groups of `run` (model, actor, backend) at construction; what it needs from elsewhere is
-    passed: the seed here, the shared base's views (lorarl.engines.shared_base) when it has one,
-    a step's values in the call (lorarl.algorithms.ppo passes the request's Sampling)."""
-    shared = {} if base is None else {"base": base}
-    return backend_of(run).engine_class()(run, device, seed=seed, **shared)
+class InFlight:
+    """One call running in a daemon thread of the worker; `result()` joins it and returns its
+    value or raises its exception."""
+
+    def __init__(self, call):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(call,), name="lorarl-generate", daemon=True)
+        self._thread.start()
+
+    def _run(self, call) -> None:
+        try:
+            self._value = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def make_engine(spec: EngineSpec, device: torch.device, base: dict | None = None) -> Engine:
+    """The training engine the spec names (lorarl.engines.BACKENDS), built from its spec (model,
+    actor and backend groups, the seed), over the shared base's views when it has them
+    (lorarl.engines.shared_base); a step's values come in the call (lorarl.algorithms.ppo
+    passes the request's Sampling)."""
+    return spec.engine_class()(spec, device, **({} if base is None else {"base": base}))
 
 
 # Communication settings the launching shell chose (e.g. NCCL_NVLS_ENABLE=0 where NVLink

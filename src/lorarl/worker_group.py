@@ -19,7 +19,17 @@ from typing import Any
 
 from lorarl.config.run import RunConfig
 from lorarl.errors import ConfigError, LorarlError, TrainingError
-from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
+from lorarl.messages import (
+    GenerateRequest,
+    Placement,
+    Rendezvous,
+    Rollouts,
+    SyncReport,
+    SyncRequest,
+    UpdateReport,
+    UpdateRequest,
+)
+from lorarl.specs import WorkerSpec
 from lorarl.stall_report import STACKS_GLOB
 from lorarl.worker import Worker, worker_env
 
@@ -47,12 +57,12 @@ def _nodes_that_fit(bundle: dict) -> int:
     )
 
 
-def describe_placement(placement: list[dict]) -> str:
+def describe_placement(placement: list[Placement]) -> str:
     """One line: which ranks run on which node (ip and the start of Ray's node id)."""
     nodes: dict[str, list[int]] = {}
     for rank, where in enumerate(placement):
-        nodes.setdefault(where["node_id"], []).append(rank)
-    ip = {where["node_id"]: where["ip"] for where in placement}
+        nodes.setdefault(where.node_id, []).append(rank)
+    ip = {where.node_id: where.ip for where in placement}
     parts = [
         f"{ip[n]} (node {n[:8]}): rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}" for n, r in nodes.items()
     ]
@@ -88,8 +98,16 @@ def failure_line(err, who: str, trace_file: Path | None) -> LorarlError:
 
 
 class WorkerGroup:
-    def __init__(self, run: RunConfig, device: str, run_dir: Path | None = None, say: Callable[[str], None] = print):
-        """`run_dir`: where a worker's traceback goes when it fails with an unexpected error, and
+    def __init__(
+        self,
+        run: RunConfig,
+        spec: WorkerSpec,
+        device: str,
+        run_dir: Path | None = None,
+        say: Callable[[str], None] = print,
+    ):
+        """`run` for the placement (trainer.nnodes, n_gpus_per_node, rollout's tensor parallel
+        size); `spec` is what each worker is given (lorarl.prepare). `run_dir`: where a worker's traceback goes when it fails with an unexpected error, and
         each worker's Python stacks when a call runs past trainer.stall_report_s
         (lorarl.stall_report); `say` shows the driver's line about the latter."""
         import ray
@@ -128,18 +146,18 @@ class WorkerGroup:
             signal.signal(signal.SIGTERM, sigterm)
         self._owns_ray = started_ray
         self._owns_local_ray = started_ray and not os.environ.get("RAY_ADDRESS")
-        self.placement: list[dict] = []
+        self.placement: list[Placement] = []
         # Where the start-up time went, logged once at step 0 (init/timing/*).
         self.startup: dict[str, float] = {"timing/ray_init": time.perf_counter() - t0}
         try:
-            self._start(run, device)
+            self._start(run, spec, device)
         except BaseException:
             # A worker that failed in setup, or a signal while waiting: leave no actors, placement
             # group or Ray processes behind.
             self.shutdown()
             raise
 
-    def _start(self, run: RunConfig, device: str) -> None:
+    def _start(self, run: RunConfig, spec: WorkerSpec, device: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -171,17 +189,24 @@ class WorkerGroup:
                     placement_group=self.pg, placement_group_bundle_index=i // per_node
                 ),
             ).remote(
-                run, i, self.world_size, device, threads[i], str(self.run_dir) if self.run_dir is not None else None
+                spec,
+                rank=i,
+                world_size=self.world_size,
+                device=device,
+                threads=threads[i],
+                run_dir=str(self.run_dir) if self.run_dir is not None else None,
             )
             for i in range(self.world_size)
         ]
         self.placement = self._get([w.location.remote() for w in self.workers])
-        addr, port = self.placement[0]["ip"], self._get([self.workers[0].free_port.remote()])[0]
+        rendezvous = Rendezvous(
+            master_addr=self.placement[0].ip, master_port=self._get([self.workers[0].free_port.remote()])[0]
+        )
         t1 = time.perf_counter()
-        setups = self._get([w.setup.remote(addr, port) for w in self.workers], "set-up")
+        setups = self._get([w.setup.remote(rendezvous) for w in self.workers], "set-up")
         self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
         self.sleep_plans = [s.sleep_plan for s in setups]
-        self.base_plans = [s.base_plan for s in setups]
+        self.rollout_sleeps = any(s.rollout_sleeps for s in setups)
         # The slowest worker's stages: the others wait for it at the first collective.
         self.startup.update(
             {
@@ -223,6 +248,16 @@ class WorkerGroup:
         """One request per rollout engine (rollout_size of them); one result per engine, from its
         first worker."""
         refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
+        return self._first_of(self.rollout_replica, refs, "generation")
+
+    def start_generate(self, per_engine: list[GenerateRequest]) -> None:
+        """`generate` begun on every worker in a thread of its own; returns once all began, so
+        the next call (the update) runs beside it. collect_generate returns the results."""
+        self._get([w.generate_start.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)])
+
+    def collect_generate(self) -> list[Rollouts]:
+        """The generation start_generate began: one result per engine, from its first worker."""
+        refs = [w.generate_collect.remote() for w in self.workers]
         return self._first_of(self.rollout_replica, refs, "generation")
 
     def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:

@@ -22,6 +22,7 @@ from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
 from lorarl.config.run import RunConfig
 from lorarl.engines.fsdp import FSDPEngine, peft_name
+from lorarl.prepare import engine_spec
 from lorarl.sync import semantic
 from lorarl.sync.payload import PayloadKind
 
@@ -29,18 +30,17 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 
-def update(engine, batch, step: int) -> dict:
+def update(engine, run: RunConfig, batch, step: int) -> dict:
     """The worker's update call (lorarl.algorithms.ppo.ppo_update with the run's sampling facts)."""
     from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.trainer import sampling_of
 
-    run = engine.run
     correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction)
+    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction).metrics()
 
 
-def log_probs_at_temperature(engine, batch, **kw):
-    return engine.log_probs(batch, temperature=engine.run.rollout.temperature, **kw)
+def log_probs_at_temperature(engine, run: RunConfig, batch, **kw):
+    return engine.log_probs(batch, temperature=run.rollout.temperature, **kw)
 
 
 def make_run(model_path: str, world: int, merge: bool = False, micro: int = 1, reshard: bool = True) -> RunConfig:
@@ -82,7 +82,8 @@ def main(model_path: str, out: str) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     out_dir = Path(out)
-    engine = FSDPEngine(make_run(model_path, world), torch.device("cpu"))
+    run = make_run(model_path, world)
+    engine = FSDPEngine(engine_spec(run, "cpu"), torch.device("cpu"))
     randomize_lora(engine)
 
     adapters, timings = {}, {}
@@ -104,13 +105,13 @@ def main(model_path: str, out: str) -> None:
     adapter_config = engine.adapter_config()
 
     batch = build_batch(PROMPTS, RESPONSES, pad_id=0, advantages=[1.0, -1.0])
-    policy = log_probs_at_temperature(engine, batch)
-    reference = log_probs_at_temperature(engine, batch, reference=True)
+    policy = log_probs_at_temperature(engine, run, batch)
+    reference = log_probs_at_temperature(engine, run, batch, reference=True)
     # The layout the engine trains on: prompts right-aligned, responses from one column.
     left = build_batch(PROMPTS, RESPONSES, pad_id=0, left_pad_prompts=True)
-    policy_left = log_probs_at_temperature(engine, left)
+    policy_left = log_probs_at_temperature(engine, run, left)
     batch.old_logp, batch.ref_logp = policy, reference
-    metrics = update(engine, batch, 1)
+    metrics = update(engine, run, batch, 1)
     after, _ = engine.export(PayloadKind.ADAPTER)
     after = dict(after.tensors)
 
@@ -118,16 +119,18 @@ def main(model_path: str, out: str) -> None:
     # the engine's own attention mask is used (single rows are trimmed to no padding at all).
     # Parameters stay unsharded between forwards, and a reference pass comes between two
     # updates, as in every step with a KL loss.
-    padded_engine = FSDPEngine(make_run(model_path, world, micro=2, reshard=False), torch.device("cpu"))
+    padded_run = make_run(model_path, world, micro=2, reshard=False)
+    padded_engine = FSDPEngine(engine_spec(padded_run, "cpu"), torch.device("cpu"))
     randomize_lora(padded_engine)
-    policy_padded = log_probs_at_temperature(padded_engine, left)
-    left.old_logp, left.ref_logp = policy_padded, log_probs_at_temperature(padded_engine, left, reference=True)
+    policy_padded = log_probs_at_temperature(padded_engine, padded_run, left)
+    left.old_logp = policy_padded
+    left.ref_logp = log_probs_at_temperature(padded_engine, padded_run, left, reference=True)
     left.advantages = batch.advantages
-    metrics_padded = update(padded_engine, left, 1)
-    log_probs_at_temperature(padded_engine, left, reference=True)
-    metrics_padded_again = update(padded_engine, left, 2)
+    metrics_padded = update(padded_engine, padded_run, left, 1)
+    log_probs_at_temperature(padded_engine, padded_run, left, reference=True)
+    metrics_padded_again = update(padded_engine, padded_run, left, 2)
 
-    merged_engine = FSDPEngine(make_run(model_path, world, merge=True), torch.device("cpu"))
+    merged_engine = FSDPEngine(engine_spec(make_run(model_path, world, merge=True), "cpu"), torch.device("cpu"))
     randomize_lora(merged_engine)
     merged_payload, _ = merged_engine.export(PayloadKind.BASE)
     merged = dict(merged_payload.tensors)

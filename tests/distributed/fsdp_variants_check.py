@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
 from lorarl.engines.fsdp import FSDPEngine
+from lorarl.prepare import engine_spec
 
 
 def graph_nodes(root: torch.Tensor, name: str) -> int:
@@ -52,7 +53,7 @@ def passes(model: str, variant: str | None = None) -> list[torch.Tensor]:
         ]
     )
     torch.manual_seed(0)  # the same LoRA initialisation in every engine
-    engine = FSDPEngine(run, torch.device("cpu"))
+    engine = FSDPEngine(engine_spec(run, "cpu"), torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     # Rows of different prompt and response lengths: micro-batches of different shapes.
     prompts = [

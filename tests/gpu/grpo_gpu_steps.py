@@ -140,7 +140,8 @@ def main() -> None:
     from bench.common import cache_dir
     from lorarl.algorithms import advantages
     from lorarl.data.arith import make_rows
-    from lorarl.messages import GenerateRequest, SyncRequest, UpdateRequest
+    from lorarl.messages import GenerateRequest, Rendezvous, SyncRequest, UpdateRequest
+    from lorarl.prepare import worker_spec
     from lorarl.rewards import get_reward_fn
     from lorarl.trainer import sampling_of
     from lorarl.worker import Worker
@@ -168,10 +169,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_path)
     phase(f"model ready at {model_path}; setting up worker")
     t0 = time.perf_counter()
-    worker = Worker(run, rank, world, args.device)
+    worker = Worker(worker_spec(run, args.device), rank=rank, world_size=world, device=args.device)
     # Under torchrun every tcp:// rendezvous is a client of the launcher's store
     # (TORCHELASTIC_USE_AGENT_STORE), so the process group must meet at MASTER_PORT itself.
-    setup = worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    setup = worker.setup(Rendezvous(master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"])))
     dp_rank, dp_size = setup.dp_rank, setup.dp_size
     setup_s = time.perf_counter() - t0
     phase(

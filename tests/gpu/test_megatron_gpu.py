@@ -117,6 +117,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     from lorarl.algorithms.batch import build_batch
     from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.engines.megatron.engine import MegatronEngine
+    from lorarl.prepare import engine_spec
     from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import lora_shards, save_probe_and_result
@@ -125,7 +126,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     out = Path(out_dir)
     t0 = time.perf_counter()
     run = _run_config(hf_dir, tp, pp, dtype, variant)
-    engine = MegatronEngine(run, seed=run.trainer.seed)
+    engine = MegatronEngine(engine_spec(run, "cuda"))
     temp = run.rollout.temperature
     sampling = sampling_of(run)
     correction = Correction.of(run.algorithm.rollout_correction, "cuda")
@@ -168,7 +169,7 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
         batch.old_logp = engine.log_probs(batch, temperature=temp)
         batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction).metrics()
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics

@@ -100,6 +100,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     from lorarl.algorithms.batch import build_batch
     from lorarl.algorithms.ppo import Correction, ppo_update
     from lorarl.engines.megatron.engine import MegatronEngine
+    from lorarl.prepare import engine_spec
     from lorarl.sync.payload import PayloadKind
     from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import save_probe_and_result
@@ -107,7 +108,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     out = Path(out_dir)
     t0 = time.perf_counter()
     run = _run_config(hf_dir, ep, dtype)
-    engine = MegatronEngine(run, seed=run.trainer.seed)
+    engine = MegatronEngine(engine_spec(run, "cuda"))
     temp = run.rollout.temperature
     sampling = sampling_of(run)
     correction = Correction.of(run.algorithm.rollout_correction, "cuda")
@@ -128,7 +129,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
         batch.old_logp = engine.log_probs(batch, temperature=temp)
         batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = ppo_update(engine, batch, step, sampling, run.actor, correction)
+        m = ppo_update(engine, batch, step, sampling, run.actor, correction).metrics()
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics

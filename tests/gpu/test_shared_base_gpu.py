@@ -38,6 +38,8 @@ def gpu_worker(model_path: Path, *overrides: str):
     from hydra.core.global_hydra import GlobalHydra
 
     from lorarl.config.compose import to_run_config
+    from lorarl.messages import Rendezvous
+    from lorarl.prepare import prepare_model, worker_spec
     from lorarl.worker import Worker
 
     if not torch.cuda.is_available():
@@ -56,11 +58,13 @@ def gpu_worker(model_path: Path, *overrides: str):
             ],
         )
     GlobalHydra.instance().clear()
-    w = Worker(to_run_config(cfg), rank=0, world_size=1, device="cuda")
+    run = to_run_config(cfg)
+    prepare_model(run)
+    w = Worker(worker_spec(run, "cuda"), rank=0, world_size=1, device="cuda")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    w.setup("127.0.0.1", port)
+    w.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
     return w
 
 
@@ -70,7 +74,7 @@ def test_sleep_frees_only_the_kv_cache_and_the_shared_weights_stay():
     model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")
     w = gpu_worker(model, "model=qwen2_5_0_5b_instruct", "rollout.free_cache_engine=true")
     try:
-        assert w.base_plan.shared and w.sleep.sleeps, (w.base_plan, w.sleep.plan)
+        assert w.spec.base_plan.shared and w.sleep.sleeps, (w.spec.base_plan, w.sleep.plan)
         assert unshared(w) == [] and differ_from_checkpoint(w) == []
         gen = torch.Generator().manual_seed(0)
         w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
@@ -100,7 +104,7 @@ def test_moe_expert_stacks_are_vllms_fused_moe_weights(lorarl_cache):
     model = ensure_tiny_model(default_tiny_model_path(arch="qwen3_moe"), arch="qwen3_moe")
     w = gpu_worker(model, "model=qwen3_moe_tiny", "model.lora.merge=false", "model.dtype=bfloat16")
     try:
-        assert w.base_plan.shared, w.base_plan
+        assert w.spec.base_plan.shared, w.spec.base_plan
         assert unshared(w) == [] and differ_from_checkpoint(w) == []
         experts = [n for n, p in w.engine.model.named_parameters() if not p.requires_grad and ".experts." in n]
         assert experts, "no expert stack was bound"

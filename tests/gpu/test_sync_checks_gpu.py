@@ -122,6 +122,8 @@ def worker():
 
     from bench.common import shaped_model
     from lorarl.config.compose import to_run_config
+    from lorarl.messages import Rendezvous
+    from lorarl.prepare import worker_spec
     from lorarl.worker import Worker
 
     model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")
@@ -139,11 +141,11 @@ def worker():
             ],
         )
     GlobalHydra.instance().clear()
-    w = Worker(to_run_config(cfg), rank=0, world_size=1, device="cuda")
+    w = Worker(worker_spec(to_run_config(cfg), "cuda"), rank=0, world_size=1, device="cuda")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    w.setup("127.0.0.1", port)
+    w.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
     gen = torch.Generator().manual_seed(0)
     w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
     yield w

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from lorarl import metrics as keys
 from lorarl.algorithms import losses
 from lorarl.algorithms import rollout_correction as rcorr
 from lorarl.algorithms.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
@@ -20,7 +21,7 @@ from lorarl.config.algorithm import RolloutCorrectionConfig
 from lorarl.config.schema import ActorConfig
 from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn
 from lorarl.errors import TrainingError
-from lorarl.messages import Sampling, reduce_metrics
+from lorarl.messages import PPOStats, Sampling, reduce_metrics
 
 
 def is_on_policy(actor: ActorConfig, train_batch_size: int) -> bool:
@@ -40,17 +41,24 @@ class Correction:
         self.first = rcorr.needs_trainer_logp_first(rules, self.normalize)
 
     @classmethod
-    def of(cls, rc: RolloutCorrectionConfig, device: str) -> Correction:
-        level = rcorr.resolve_is_level(rc.rollout_is, device, rc.bypass_mode)
+    def of(cls, rc: RolloutCorrectionConfig, device: str, off_policy: bool = False) -> Correction:
+        """`off_policy`: the batch may be sampled by an older adapter (trainer.off_policy_steps > 0)."""
+        level = rcorr.resolve_is_level(rc.rollout_is, device, rc.bypass_mode, off_policy)
         rules = rcorr.parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
         return cls(level, rc.rollout_is_threshold, rules, rc.rollout_is_batch_normalize, rc.bypass_mode)
 
 
-def needs_old_logp(actor: ActorConfig, train_batch_size: int, correction: Correction) -> bool:
+def needs_old_logp(
+    actor: ActorConfig, train_batch_size: int, correction: Correction, stale_rollout: bool = False
+) -> bool:
     """Whether the update needs the trainer's log-probs from a pass of their own: off-policy
-    (unless bypass mode makes the sampler's log-probs pi_old), or when the rollout correction
-    must be known before the loss is normalised (rejection, batch-normalised weights)."""
-    return correction.first or not (is_on_policy(actor, train_batch_size) or correction.bypass)
+    (several epochs or mini-batches, or `stale_rollout`: the batch was sampled by an older
+    adapter, so pi_old, the current adapter's log-probs, is neither vLLM's nor the update's
+    first forward's; unless bypass mode makes the sampler's log-probs pi_old), or when the
+    rollout correction must be known before the loss is normalised (rejection, batch-normalised
+    weights)."""
+    on_policy = is_on_policy(actor, train_batch_size) and not stale_rollout
+    return correction.first or not (on_policy or correction.bypass)
 
 
 def ppo_update(
@@ -60,7 +68,7 @@ def ppo_update(
     sampling: Sampling,
     actor: ActorConfig,
     correction: Correction,
-) -> dict[str, float]:
+) -> PPOStats:
     """PPO-clip epochs over shuffled mini-batches, one optimizer step per mini-batch.
 
     `batch` is this replica's share; `batch.old_logp` None means on-policy (see is_on_policy).
@@ -89,18 +97,18 @@ def ppo_update(
                 loss = metrics.pop(LOSS_KEY)
                 if not math.isfinite(loss):
                     # Before the optimizer step: the weights stay as they were.
-                    raise TrainingError(f"step {step}: loss is {loss} (pg {metrics['actor/pg_loss']}); stopping")
+                    raise TrainingError(f"step {step}: loss is {loss} (pg {metrics[keys.ACTOR_PG_LOSS.key]}); stopping")
                 for k, v in metrics.items():
                     sums.setdefault(k, []).append(v)
-            sums.setdefault("actor/padding_frac", []).append(padding_frac(micro))
-            sums.setdefault("actor/grad_norm", []).append(engine.optimizer_step(step))
-            sums.setdefault("actor/micro_batches", []).append(len(row_sets))
+            sums.setdefault(keys.ACTOR_PADDING_FRAC.key, []).append(padding_frac(micro))
+            sums.setdefault(keys.ACTOR_GRAD_NORM.key, []).append(engine.optimizer_step(step))
+            sums.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
             # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
-            sums.setdefault("actor/micro_batch_tokens_max", []).append(max(padded_tokens(m) for m in micro))
+            sums.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
     result = reduce_metrics(sums)
     result.update(before)
-    result["actor/lr"] = engine.end_step()
-    return result
+    result[keys.ACTOR_LR.key] = engine.end_step()
+    return PPOStats.of(result)
 
 
 def loss_denominator(engine: Engine, minibatch: TrainBatch, actor: ActorConfig, norm_len: int) -> float:
@@ -124,15 +132,20 @@ def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> d
     weights, mask, metrics = rcorr.correct(
         batch.old_logp, batch.rollout_logp, batch.response_mask, c.level, c.threshold, c.rules
     )
-    out = {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+    out = {_correction_key(k): float(v) for k, v in metrics.items()}
     if weights is not None and c.normalize:
         total, count = engine.dp_all_reduce(list(rcorr.batch_mean_weight(weights, batch.response_mask, c.level)))
         mean = total / max(count, 1.0)
         if mean > 1e-8:
             weights = weights / mean
-        out["rollout_corr/rollout_is_batch_norm_factor"] = mean if mean > 1e-8 else 1.0
+        out[keys.ROLLOUT_CORR_ROLLOUT_IS_BATCH_NORM_FACTOR.key] = mean if mean > 1e-8 else 1.0
     batch.response_mask, batch.is_weights = mask, weights
     return out
+
+
+def _correction_key(name: str) -> str:
+    """The logged key of one of the rollout correction's measures (lorarl.algorithms.rollout_correction)."""
+    return keys.checked(f"rollout_corr/{name}")
 
 
 def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> LossFn:
@@ -147,7 +160,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
         if mb.rollout_logp is not None and not c.first:
             # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
             weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
-            metrics.update({f"rollout_corr/{k}": v for k, v in corr.items()})
+            metrics.update({_correction_key(k): v for k, v in corr.items()})
         pg_loss, pg_metrics = losses.policy_loss(
             logp,
             old,
@@ -163,15 +176,15 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
             weights=None if c.bypass else weights,
         )
         loss = pg_loss
-        metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+        metrics.update({keys.checked(f"actor/{k}"): v for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
                 loss = loss - a.entropy_coeff * losses.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/entropy"] = losses.masked_mean(entropy.detach(), mask)
+            metrics[keys.ACTOR_ENTROPY.key] = losses.masked_mean(entropy.detach(), mask)
         if a.use_kl_loss:
             kl = losses.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
             loss = loss + a.kl_loss_coef * losses.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
-            metrics["actor/kl_loss"] = losses.masked_mean(kl.detach(), mask)
+            metrics[keys.ACTOR_KL_LOSS.key] = losses.masked_mean(kl.detach(), mask)
         metrics[LOSS_KEY] = loss.detach()
         return loss, metrics
 

@@ -26,13 +26,15 @@ from lorarl.config.algorithm import (  # noqa: F401  (the option names and their
 SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8: the largest weight or ratio any statistic may reach
 
 
-def resolve_is_level(rollout_is: str | None, device: str, bypass_mode: bool) -> str | None:
-    """The importance-weight level a run uses: `auto` is token on CUDA, off on CPU and in bypass
-    mode (there the PPO ratio already is pi / pi_rollout)."""
+def resolve_is_level(rollout_is: str | None, device: str, bypass_mode: bool, off_policy: bool = False) -> str | None:
+    """The importance-weight level a run uses: `auto` is token on CUDA, and on any device when the
+    batch may be an adapter version behind (trainer.off_policy_steps > 0: the sampler's policy is
+    then not the trainer's even in exact arithmetic); off on CPU on-policy and in bypass mode
+    (there the PPO ratio already is pi / pi_rollout). An explicit level or null is kept."""
     if rollout_is != "auto":
         return rollout_is
     on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    return "token" if on_cuda and not bypass_mode else None
+    return "token" if (on_cuda or off_policy) and not bypass_mode else None
 
 
 def needs_trainer_logp_first(rules: tuple[Rejection, ...], batch_normalize: bool) -> bool:

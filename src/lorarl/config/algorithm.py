@@ -11,7 +11,8 @@ from omegaconf import MISSING
 from lorarl.errors import ConfigError, check, one_of
 
 IS_LEVELS = ("token", "sequence")
-# auto: token on CUDA (bf16 sampler against the trainer), off on CPU (both float32, weights ~1).
+# auto: token on CUDA (bf16 sampler against the trainer) or off-policy (trainer.off_policy_steps > 0),
+# off on CPU on-policy (both float32, weights ~1).
 IS_CHOICES = (None, "auto", *IS_LEVELS)
 RS_OPTIONS = (
     "token_k1", "token_k2", "token_k3",

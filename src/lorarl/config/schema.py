@@ -341,6 +341,10 @@ class TrainerConfig:
     # auto: cuda when GPUs are visible, else cpu (gloo).
     device: str = MISSING
     seed: int = MISSING
+    # 0: on-policy. 1: step k+1's batch is generated (with the adapter of step k-1) while step k's
+    # update runs; the adapter of step k is synced when both end. Larger values would need vLLM to
+    # hold one adapter per version in flight, so they are refused.
+    off_policy_steps: int = MISSING
     # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), each
     # module's delta in vLLM must be the trainer's (lorarl.sync.semantic), and trainer and vLLM
     # log-probs on fixed probe sequences must agree (lorarl.sync.probe).
@@ -383,6 +387,11 @@ class TrainerConfig:
             f"trainer.check_sync_probe_freq={self.check_sync_probe_freq} must be >= 1",
         )
         one_of("trainer.sync_fault", self.sync_fault, (None, *FAULTS))
+        check(
+            self.off_policy_steps in (0, 1),
+            f"trainer.off_policy_steps={self.off_policy_steps}: use 0 (on-policy) or 1 (the next batch is generated "
+            "during the update); more steps behind would need vLLM to hold one adapter per version in flight",
+        )
         check(
             self.stall_report_s is None or self.stall_report_s > 0,
             f"trainer.stall_report_s={self.stall_report_s} must be > 0, or null for no report",

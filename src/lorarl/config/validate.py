@@ -87,6 +87,11 @@ def validate(run: RunConfig) -> None:
         "rollout.layered_summon=true exports only the adapter, but model.lora.merge=true pushes merged full "
         "weights; pick one",
     )
+    check(
+        not (run.trainer.off_policy_steps and run.algorithm.filter_groups.enable),
+        "trainer.off_policy_steps=1 generates one round ahead, but algorithm.filter_groups.enable=true decides "
+        "after scoring whether to generate more rounds; set one of them off (trainer.off_policy_steps=0)",
+    )
     ob = run.algorithm.overlong_buffer
     check(
         ob.len is None or 0 < ob.len < d.max_response_length,

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lorarl.config.run import RunConfig
 
 
 @dataclass(frozen=True)
@@ -67,5 +63,6 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def backend_of(run: RunConfig) -> Backend:
-    return BACKENDS[run.backend.strategy]
+def backend_of(strategy: str) -> Backend:
+    """The row of `backend.strategy`."""
+    return BACKENDS[strategy]

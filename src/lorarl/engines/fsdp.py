@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms import losses
 from lorarl.algorithms.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
-from lorarl.config.run import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
@@ -34,10 +33,11 @@ from lorarl.engines.base import (
     read_metrics,
 )
 from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
-from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel, use_liger_kernel
+from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, TrainingError, first_line
+from lorarl.specs import EngineSpec
 from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
 from lorarl.sync.payload import PayloadKind, WeightPayload
 from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
@@ -47,13 +47,13 @@ PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_lora_model(run: RunConfig, device: torch.device, base: dict[str, torch.Tensor] | None = None):
+def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = None):
     """HF causal LM with a PEFT LoRA adapter, ready to shard: loaded on CPU, or over `base`'s views."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    m = run.model
-    liger = use_liger_kernel(run, device)  # a setting this device cannot run fails before any load
+    m = spec.model
+    liger = spec.liger_kernel
     try:
         model = (
             AutoModelForCausalLM.from_pretrained(
@@ -70,7 +70,7 @@ def load_lora_model(run: RunConfig, device: torch.device, base: dict[str, torch.
         raise ModelError(f"model.path={m.path!r} could not be loaded as a causal LM: {first_line(err)}") from err
     # Automatic (null) only where Liger has kernels for the model (not Qwen3-MoE); asked for
     # explicitly, an unsupported model is an error.
-    if liger and (run.backend.liger_kernel or model.config.model_type in LIGER_MODEL_TYPES):
+    if liger and (spec.backend.liger_kernel or model.config.model_type in LIGER_MODEL_TYPES):
         apply_liger_kernel(model)
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -95,7 +95,7 @@ def load_lora_model(run: RunConfig, device: torch.device, base: dict[str, torch.
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    if run.backend.fused_lora:
+    if spec.backend.fused_lora:
         fuse_lora_linears(peft_model)
     return peft_model
 
@@ -109,18 +109,18 @@ def takes_prepared_masks(config) -> bool:
 
 
 class FSDPEngine:
-    def __init__(self, run: RunConfig, device: torch.device, *, seed: int | None = None, base: dict | None = None):
-        """`run` for its model, actor and backend groups. `seed` is taken for the engines' common
-        constructor and not used: LoRA's init draws from the process RNG the worker and vLLM
-        seeded (lorarl.worker.Worker.setup). `base`: the shared base's views (load_lora_model);
-        each rank then holds the whole base and FSDP manages only the LoRA parameters."""
-        self.run = run
+    def __init__(self, spec: EngineSpec, device: torch.device, *, base: dict | None = None):
+        """`spec` for its model, actor and backend groups. Its seed is not used: LoRA's init draws
+        from the process RNG the worker and vLLM seeded (lorarl.worker.Worker.setup). `base`: the
+        shared base's views (load_lora_model); each rank then holds the whole base and FSDP
+        manages only the LoRA parameters."""
+        self.spec = spec
         self.device = device
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         on_gpu = device.type == "cuda"
-        peft_model = load_lora_model(run, device, base)
-        b = run.backend
+        peft_model = load_lora_model(spec, base)
+        b = spec.backend
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[b.mixed_precision] if on_gpu else None,
             reduce_dtype=torch.float32,
@@ -136,13 +136,13 @@ class FSDPEngine:
         self.expert_wrappers = expert_wrappers(peft_model)
         self.model = shard(peft_model, mesh, device, **kwargs)
         self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
-        o = run.actor.optim
+        o = spec.actor.optim
         self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         warm = max(o.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
-        self.prepared_masks = takes_prepared_masks(self.model.config) and not run.model.trust_remote_code
+        self.prepared_masks = takes_prepared_masks(self.model.config) and not spec.model.trust_remote_code
 
     # ---- the Engine contract's plain facts ----------------------------------------------
 
@@ -162,9 +162,9 @@ class FSDPEngine:
     @property
     def compute_dtype(self) -> torch.dtype:
         # FSDP's mixed precision casts the gathered params on GPU only.
-        if self.device.type == "cuda" and self.run.backend.mixed_precision == "bfloat16":
+        if self.device.type == "cuda" and self.spec.backend.mixed_precision == "bfloat16":
             return torch.bfloat16
-        return DTYPES[self.run.model.dtype]
+        return DTYPES[self.spec.model.dtype]
 
     # Responses start in one column, so logits are computed for the response columns only.
     left_pad_prompts = True
@@ -225,13 +225,13 @@ class FSDPEngine:
         """Log-probs of every next token at `temperature`; `reference=True` runs the base with
         the adapter disabled."""
         self.model.eval()
-        row_sets = plan_micro_batches(self, batch, self.run.actor, backward=False)
+        row_sets = plan_micro_batches(self, batch, self.spec.actor, backward=False)
         micro = [batch.select(rows) for rows in row_sets]
         prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
             results = [self._forward(*p, temperature, entropy="none")[0] for p in prepared]
-            if not self.run.backend.reshard_after_forward:
+            if not self.spec.backend.reshard_after_forward:
                 # Before the adapter is turned back on, which sets requires_grad on whichever
                 # parameters are registered at that moment (see reshard_all).
                 reshard_all(self.model)
@@ -259,7 +259,7 @@ class FSDPEngine:
         return read_metrics(metrics)
 
     def optimizer_step(self, step: int) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.run.actor.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec.actor.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         try:
@@ -288,7 +288,7 @@ class FSDPEngine:
             cfg["target_parameters"] = sorted(cfg["target_parameters"])
         cfg["task_type"] = str(getattr(cfg.get("task_type"), "value", cfg.get("task_type")))
         cfg["peft_type"] = str(getattr(cfg.get("peft_type"), "value", cfg.get("peft_type")))
-        cfg["base_model_name_or_path"] = self.run.model.path
+        cfg["base_model_name_or_path"] = self.spec.model.path
         return {k: v for k, v in cfg.items() if _jsonable(v)}
 
     # How an adapter can be gathered; the first is the default.
@@ -313,7 +313,7 @@ class FSDPEngine:
                 # vLLM reads expert LoRA per expert (lorarl.sync.experts); checkpoints keep PEFT's stacks.
                 tensors = to_vllm_layout(tensors, self.expert_wrappers)
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
-        merge = self.run.model.lora.merge
+        merge = self.spec.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
 
     def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -368,7 +368,7 @@ class FSDPEngine:
 
     def base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Plain-HF-named base weights, one FSDP unit unsharded at a time; merged W + BA if asked."""
-        scale = self.run.model.lora.alpha / self.run.model.lora.rank
+        scale = self.spec.model.lora.alpha / self.spec.model.lora.rank
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         with torch.no_grad():
             for prefix, unit in _fsdp_units(self.model):

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import torch
-
-from lorarl.config.run import RunConfig
 from lorarl.errors import ConfigError, first_line
 
 # The model types Liger has kernels for (automatic use applies them to these only).
 LIGER_MODEL_TYPES = ("qwen2", "qwen3")
 
 
-def use_liger_kernel(run: RunConfig, device: torch.device) -> bool:
-    """backend.liger_kernel, with null resolved: on when training on CUDA (Triton kernels) and
-    the layers are not compiled (the compiler fuses the same elementwise work itself)."""
-    want = run.backend.liger_kernel
+def use_liger_kernel(want: bool | None, compile_layers: bool, device: str) -> bool:
+    """backend.liger_kernel (`want`), with null resolved: on when training on CUDA (Triton
+    kernels) and the layers are not compiled (backend.compile: the compiler fuses the same
+    elementwise work itself). Resolved on the driver (lorarl.prepare)."""
     if want is None:
-        return device.type == "cuda" and not run.backend.compile
-    if want and device.type != "cuda":
+        return device == "cuda" and not compile_layers
+    if want and device != "cuda":
         raise ConfigError(
-            f"backend.liger_kernel=true needs CUDA (Triton kernels), but training runs on {device.type}; "
+            f"backend.liger_kernel=true needs CUDA (Triton kernels), but training runs on {device}; "
             "set backend.liger_kernel=null or false"
         )
     return want

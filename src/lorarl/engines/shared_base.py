@@ -124,21 +124,22 @@ def frozen_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:
     return {p for p in model.parameters() if not p.requires_grad}
 
 
-def plan_for_worker(run, device: torch.device) -> BasePlan:
-    """plan_base with what a worker knows before it builds its engine: the device, the dtype vLLM
-    will hold the base in, and whether the checkpoint has routed experts (read from its config,
-    local or from the hub cache, as the sleep plan reads it)."""
-    from transformers import AutoConfig
-
+def plan_for_run(run, device_type: str, config=None) -> BasePlan:
+    """plan_base with what the driver knows before any worker starts: the device type, the dtype
+    vLLM will hold the base in, and whether the checkpoint has routed experts (from `config`, its
+    transformers config, read when not given)."""
     from lorarl.rollout.vllm_dtype import engine_dtype
 
     m, r = run.model, run.rollout
     if m.lora.merge or not hasattr(run.backend, "share_base"):
-        return plan_base(run, device.type)  # two copies whatever the checkpoint
-    config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
-    dtype = engine_dtype(m.path, r.dtype, device.type != "cuda", lora=True)
+        return plan_base(run, device_type)  # two copies whatever the checkpoint
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+    dtype = engine_dtype(m.path, r.dtype, device_type != "cuda", lora=True)
     if dtype == "auto":  # vLLM serves a 16-bit checkpoint in its own dtype (float32 is resolved above)
         saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype = str(saved).removeprefix("torch.") if saved is not None else "unknown"
     moe = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
-    return plan_base(run, device.type, dtype, moe)
+    return plan_base(run, device_type, dtype, moe)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lorarl import memory
-from lorarl.config.run import RunConfig
 from lorarl.memory import SleepPlan, plan_sleep
+from lorarl.specs import SleepSpec
 
 
 def all_ranks(ok: bool, device: torch.device) -> bool:
@@ -26,14 +26,14 @@ def all_ranks(ok: bool, device: torch.device) -> bool:
     return flag.item() == 1.0
 
 
-def can_sleep(run: RunConfig, device: torch.device) -> bool:
+def can_sleep(free_cache_engine: bool | None, device: str) -> bool:
     """The engine is built able to sleep (GPU, unless rollout.free_cache_engine=false)."""
-    return device.type == "cuda" and run.rollout.free_cache_engine is not False
+    return device == "cuda" and free_cache_engine is not False
 
 
 class RolloutSleep:
-    def __init__(self, run: RunConfig, device: torch.device, rollout, dp_size: int):
-        self.run, self.device, self.rollout, self.dp_size = run, device, rollout, dp_size
+    def __init__(self, spec: SleepSpec, device: torch.device, rollout):
+        self.spec, self.device, self.rollout = spec, device, rollout
         self._free_awake = 0  # bytes free beside the awake engine, measured in setup (GPU)
         self._update_peak: tuple[int, int] | None = None  # (bytes, largest micro-batch's tokens)
         self._said_still_asleep = False
@@ -51,26 +51,13 @@ class RolloutSleep:
     def _initial_plan(self) -> SleepPlan:
         if self.device.type != "cuda":
             return SleepPlan(False, "CPU: vLLM's CPU build cannot sleep")
-        setting = self.run.rollout.free_cache_engine
+        setting = self.spec.free_cache_engine
         if setting is not None:
             return plan_sleep(setting)
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         self._free_awake = free
-        return plan_sleep(None, free, self._update_bytes())
-
-    def _update_bytes(self) -> int:
-        from transformers import AutoConfig
-
-        m = self.run.model
-        hf_config = AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
-        return memory.run_update_bytes(
-            self.run,
-            memory.ModelDims.of(hf_config),
-            self.dp_size,
-            self.run.backend.model_parallel_size(),
-            shared_base=getattr(self.rollout, "base_shared", False),
-        )
+        return plan_sleep(None, free, self.spec.update_bytes)
 
     def sleep(self) -> float:
         """Before an update: the engine to sleep if the plan says so; seconds spent."""
@@ -104,11 +91,11 @@ class RolloutSleep:
         rank's plan as it was. Called awake, so a changed plan takes effect at the next sleep. Returns the new plan, as a
         line for the log, when it changed, and the measured plan the first time it keeps the sleep."""
         measured, self._update_peak = self._update_peak, None
-        if measured is None or not self._some_rank_sleeps or self.run.rollout.free_cache_engine is not None:
+        if measured is None or not self._some_rank_sleeps or self.spec.free_cache_engine is not None:
             return None
         plan = self.plan
         if plan.sleeps:
-            plan = memory.plan_from_peak(self._free_awake, *measured, memory.run_update_tokens(self.run, self.dp_size))
+            plan = memory.plan_from_peak(self._free_awake, *measured, self.spec.update_tokens)
         if not all_ranks(not plan.sleeps, self.device):
             # Still asleep: the measured reason is said once (on the ranks whose own peak does
             # not fit), so that a log shows why a run keeps paying for the sleep.

@@ -23,12 +23,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lorarl.config.schema import vllm_lora_rank
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_base_views, vllm_engine_args, vllm_worker
-from lorarl.rollout.vllm_dtype import engine_dtype
+from lorarl.rollout import engine_process, vllm_base_views, vllm_worker
+from lorarl.rollout.vllm_engine_args import LLMArgs
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
 from lorarl.sync.experts import is_moe_checkpoint
@@ -42,8 +41,6 @@ from lorarl.sync.transport import AdapterLayout
 ADAPTER_NAME = "lorarl-policy"
 # Never read while the adapter is resident; named so an eviction fails loudly.
 _MEMORY_ADAPTER_PATH = "/nonexistent/lorarl-in-memory-adapter"
-# Tiny models need little KV cache; several engines may share a 24 GiB host.
-DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 AdapterTransport = Literal["tmpfs", "memory"]
 
@@ -51,26 +48,14 @@ AdapterTransport = Literal["tmpfs", "memory"]
 class VLLMRollout(FingerprintReads):
     def __init__(
         self,
-        model_path: str | os.PathLike,
+        args: LLMArgs,
         *,
-        lora_rank: int | None,
-        max_model_len: int,
-        seed: int,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        load_format: str = "auto",
-        enforce_eager: bool = True,
-        enable_sleep_mode: bool = False,
         adapter_transport: AdapterTransport = "tmpfs",
-        kv_cache_bytes: int | None = None,
-        trust_remote_code: bool = False,
-        engine_kwargs: dict | None = None,
         fingerprint_base: bool = False,
         share_weights: bool = False,
     ) -> None:
-        """`fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
+        """`args`: the engine's arguments, assembled by lorarl.rollout.vllm_engine_args.build.
+        `fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
         `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
         # The engine must live in this process: weights are pushed into its worker
         # by reference (reload_weights with an iterator, adapters from tensors).
@@ -79,16 +64,18 @@ class VLLMRollout(FingerprintReads):
         from vllm.platforms import current_platform
 
         self._is_cpu = current_platform.is_cpu()
-        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+        # Checked here, with vLLM's build in hand: the driver does not import vLLM.
+        if args.enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ConfigError(
                 "rollout.enable_sleep_mode=true but this vLLM build has no sleep mode (CPU); set it to false"
             )
-        self.lora_rank = lora_rank
-        self.max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
-        self.dtype = engine_dtype(model_path, dtype, self._is_cpu, lora=self.max_lora_rank is not None)
+        model_path = args.model_path
+        self.lora_rank = args.lora_rank
+        self.max_lora_rank = args.max_lora_rank
+        self.dtype = args.dtype
         self.adapter_transport: AdapterTransport = adapter_transport
-        self.enable_sleep_mode = enable_sleep_mode
-        self.base_loaded = load_format != "dummy"
+        self.enable_sleep_mode = args.enable_sleep_mode
+        self.base_loaded = args.load_format != "dummy"
         # The trainer computes with this engine's weights: kept readable, never slept (vllm_base_views).
         self.base_shared = share_weights
         self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
@@ -108,27 +95,11 @@ class VLLMRollout(FingerprintReads):
         # the first forward (AttributeError: module 'triton.language' has no attribute 'float32');
         # the engine still starts and loads adapters, so the layout can be checked, not served.
         self._cpu_moe_lora = self._is_cpu and self.max_lora_rank is not None and is_moe_checkpoint(model_path)
-
-        kwargs = vllm_engine_args.llm_kwargs(
-            model_path,
-            dtype=self.dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            load_format=load_format,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=enable_sleep_mode,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None and self._is_cpu else kv_cache_bytes,
-            trust_remote_code=trust_remote_code,
-            max_lora_rank=self.max_lora_rank,
-            engine_kwargs=engine_kwargs or {},
-        )
+        tensor_parallel_size = args.tensor_parallel_size
 
         engine_process.first_engine_in_process()
         with engine_process.process_state_kept(), vllm_base_views.dense_linear_weights(share_weights):
-            self._llm = LLM(**kwargs)
+            self._llm = LLM(**args.kwargs)
         if self.lora_enabled and adapter_transport == "tmpfs":
             self._adapter_dir = engine_process.make_adapter_dir()
         self._release = engine_process.adopt_engine(self, self._llm, self._adapter_dir)

@@ -7,15 +7,23 @@ takes); lorarl sets a few from its own keys and passes any others as given, as v
 refused, naming the key that sets it (two spellings of one setting could disagree). Other names
 are checked against the installed vLLM before anything starts (lorarl.preflight).
 
-This module imports nothing of vLLM: the config's own check uses it in the driver, and the rollout
-builds its `vllm.LLM` arguments with `llm_kwargs`.
+The one place a rollout engine's arguments are assembled: `build` (on the driver, by
+lorarl.prepare; directly in tests and benchmarks) returns the LLMArgs that lorarl.rollout.vllm's
+VLLMRollout starts its engine with. This module imports nothing of vLLM, so the driver can use it.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
+from lorarl.config.schema import vllm_lora_rank
 from lorarl.errors import ConfigError
+from lorarl.rollout.vllm_dtype import engine_dtype
+
+# Tiny models need little KV cache; several engines may share a 24 GiB host.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 # Engine arguments lorarl sets, and the key that sets each ("" when it is fixed: the reason).
 SET_BY_LORARL: dict[str, tuple[str, str]] = {
@@ -122,3 +130,77 @@ def llm_kwargs(
         # per mode there: 51 sizes x [no adapter, adapter]).
         kwargs["compilation_config"] = {"cudagraph_specialize_lora": False}
     return merged(kwargs, engine_kwargs)
+
+
+@dataclass(frozen=True)
+class LLMArgs:
+    """One rollout engine's arguments, assembled once (`build`): `kwargs` is what `vllm.LLM`
+    takes; the properties read back the few the rollout acts on."""
+
+    kwargs: dict[str, Any]
+    lora_rank: int | None  # the adapter's rank (None: no LoRA); vLLM's max_lora_rank is the next it serves
+
+    @property
+    def model_path(self) -> str:
+        return self.kwargs["model"]
+
+    @property
+    def dtype(self) -> str:
+        return self.kwargs["dtype"]
+
+    @property
+    def max_lora_rank(self) -> int | None:
+        return self.kwargs.get("max_lora_rank")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.kwargs["tensor_parallel_size"]
+
+    @property
+    def enable_sleep_mode(self) -> bool:
+        return self.kwargs["enable_sleep_mode"]
+
+    @property
+    def load_format(self) -> str:
+        return self.kwargs["load_format"]
+
+
+def build(
+    model_path: str | os.PathLike,
+    *,
+    lora_rank: int | None,
+    max_model_len: int,
+    seed: int,
+    on_cpu: bool,
+    dtype: str = "auto",
+    gpu_memory_utilization: float = 0.5,
+    tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+    load_format: str = "auto",
+    enforce_eager: bool = True,
+    enable_sleep_mode: bool = False,
+    kv_cache_bytes: int | None = None,
+    trust_remote_code: bool = False,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> LLMArgs:
+    """A rollout engine's arguments. `on_cpu`: vLLM's CPU build serves it (the KV cache is then
+    sized in bytes, DEFAULT_CPU_KV_CACHE_BYTES unless given, and a float32 checkpoint may keep
+    its dtype with LoRA); `dtype` "auto" means the checkpoint's (lorarl.rollout.vllm_dtype)."""
+    max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
+    kwargs = llm_kwargs(
+        model_path,
+        dtype=engine_dtype(model_path, dtype, on_cpu, lora=max_lora_rank is not None),
+        seed=seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        load_format=load_format,
+        enforce_eager=enforce_eager,
+        enable_sleep_mode=enable_sleep_mode,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None and on_cpu else kv_cache_bytes,
+        trust_remote_code=trust_remote_code,
+        max_lora_rank=max_lora_rank,
+        engine_kwargs=engine_kwargs or {},
+    )
+    return LLMArgs(kwargs, lora_rank)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from lorarl.config.run import RunConfig
-from lorarl.engines import backend_of
 from lorarl.engines.base import Engine
 from lorarl.errors import SyncError
 from lorarl.messages import SyncReport, SyncRequest
@@ -29,20 +28,23 @@ from lorarl.sync.faults import SyncFault
 from lorarl.sync.payload import PayloadKind, SyncStats
 from lorarl.sync.semantic_merged import MergedCheck
 
+if TYPE_CHECKING:
+    from lorarl.specs import SyncSpec
+
 
 class SyncSession:
-    def __init__(self, run: RunConfig, engine: Engine, rollout, rank: int):
+    def __init__(self, spec: SyncSpec, engine: Engine, rollout, rank: int):
         self.engine, self.rollout, self.rank = engine, rollout, rank
-        self.merge = run.model.lora.merge
-        self.method = "layered" if run.rollout.layered_summon else None  # None: the engine's default gather
-        self.check = run.trainer.check_sync
-        self.tolerance = run.trainer.check_sync_tolerance
-        self.probe_freq = run.trainer.check_sync_probe_freq
+        self.merge = spec.merge
+        self.method = "layered" if spec.layered_summon else None  # None: the engine's default gather
+        self.check = spec.check
+        self.tolerance = spec.tolerance
+        self.probe_freq = spec.probe_freq
         self.probe_seqs: list[list[int]] | None = None  # fixed probe sequences, set once per process
         self._probe_due = False
-        # Whether this engine computes the semantic check's expected side (lorarl.engines.BACKENDS).
-        self.semantic = self.check and backend_of(run).checks_meaning(self.merge)
-        self.fault = SyncFault(run.trainer.sync_fault)
+        # Checks on and this engine computes the semantic check's expected side (lorarl.engines.BACKENDS).
+        self.semantic = spec.semantic
+        self.fault = SyncFault(spec.fault)
         self.fault.on_engine(engine)
         # Whether the export has been checked once with non-zero factors (lorarl.sync.semantic).
         self._self_tested = False

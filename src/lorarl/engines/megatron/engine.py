@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from lorarl.algorithms.batch import TrainBatch, plan_micro_batches
-from lorarl.config.run import RunConfig
 from lorarl.engines.base import (
     EntropyMode,
     LossFn,
@@ -40,6 +39,7 @@ from lorarl.engines.megatron.config_map import (
 )
 from lorarl.engines.megatron.experts import ExpertParallel, gather_expert_adapter, num_experts_of, torch_all_gather
 from lorarl.errors import ConfigError, TrainingError
+from lorarl.specs import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,12 @@ class MegatronEngine:
     # Megatron's local attention is causal-only: rows are right-padded (check_right_padded).
     left_pad_prompts = False
 
-    def __init__(self, run: RunConfig, device: torch.device | None = None, *, seed: int) -> None:
-        """`run` for its model, actor and backend groups (only those are kept); `seed`
+    def __init__(self, spec: EngineSpec, device: torch.device | None = None) -> None:
+        """`spec` for its model, actor and backend groups (only those are kept) and its seed
         (trainer.seed) for Megatron's model-parallel CUDA RNG."""
         require_cuda()
-        self.model_cfg, self.actor, self.backend = run.model, run.actor, run.backend
+        seed = spec.seed
+        self.model_cfg, self.actor, self.backend = spec.model, spec.actor, spec.backend
         self.lora = self.model_cfg.lora
         self.path = self.model_cfg.path
         self.dtype_name = self.model_cfg.dtype

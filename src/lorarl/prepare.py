@@ -1,0 +1,263 @@
+"""Every start-up check of a run, on the driver, and the specs the workers are given.
+
+`prepare(run)` runs before Ray starts: the device, the model (built on first use for the
+embedded preset), the data files, the loggers, the model checks that read only its config
+(lorarl.preflight), rollout.engine_kwargs against the installed vLLM, the model's sizes against
+the parallel sizes (lorarl.config.validate.check_model_shape_of), the tokenizer, the prompts and
+whether each can be scored. Each failure is one line (a LorarlError). What it returns holds the
+WorkerSpec (lorarl.specs): the only part of the configuration a worker receives, with vLLM's
+engine arguments assembled here, once (lorarl.rollout.vllm_engine_args.build).
+
+The checks of single keys and of several groups run earlier, when the config is made
+(lorarl.config.compose.to_run_config: the schemas' own checks, lorarl.config.validate). What only
+a worker can check, with its device in hand, stays there (lorarl.specs says which).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorarl import memory
+from lorarl.config.run import RunConfig
+from lorarl.config.schema import cache_dir
+from lorarl.config.validate import check_model_shape_of
+from lorarl.engines import backend_of
+from lorarl.engines.liger import use_liger_kernel
+from lorarl.engines.shared_base import plan_for_run
+from lorarl.errors import ConfigError, DataError
+from lorarl.rollout import vllm_engine_args
+from lorarl.rollout.sleep import can_sleep
+from lorarl.specs import EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
+
+
+@dataclass
+class Prepared:
+    """A checked run: where it trains, the model's config and tokenizer, its prompts, and what
+    each worker is given."""
+
+    device: str  # cuda or cpu
+    hf_config: Any  # the model's transformers config
+    tokenizer: Any
+    loader: Any  # lorarl.data.batches.PromptLoader: the training prompts, round by round
+    val_items: list  # validation prompts (empty without validation)
+    dropped_prompts: int  # training prompts longer than data.max_prompt_length
+    worker_spec: WorkerSpec
+    seconds: float  # how long the checks took (init/timing/prepare)
+
+
+def prepare(run: RunConfig) -> Prepared:
+    """Check everything the driver can check, in the order a user would fix it; build the specs.
+    Expands paths in `run` (model.path, data files) in place."""
+    from lorarl.data.batches import prompt_batches
+    from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
+    from lorarl.rewards import check_items
+    from lorarl.tracking import check_loggers
+
+    t0 = time.perf_counter()
+    device = resolve_device(run.trainer.device)
+    backend = backend_of(run.backend.strategy)
+    if backend.needs_cuda and device != "cuda":
+        why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"trainer.device={run.trainer.device}"
+        raise ConfigError(f"+backend={backend.option} requires CUDA ({why}); use +backend=fsdp to train on CPU")
+    prepare_model(run)
+    prepare_data(run)
+    check_loggers(run.trainer.logger)
+    # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
+    hf_config = check_model(run)
+    check_engine_kwargs(run)
+    check_model_shape_of(run, hf_config)
+    tokenizer = load_tokenizer(run)
+    spec = worker_spec(run, device, hf_config)
+    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+    # DAPO oversampling: each generation round draws data.gen_batch_size prompts (prompt_batches).
+    loader, val_items, dropped = prompt_batches(run.data, tokenizer, run.trainer.seed, validation)
+    for items in (loader.items, val_items):
+        check_items(items, run.data.reward_fn)  # every prompt can be scored, before any rollout
+    return Prepared(device, hf_config, tokenizer, loader, val_items, dropped, spec, time.perf_counter() - t0)
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    return requested
+
+
+def prepare_model(run: RunConfig) -> str:
+    """Local path of the model, building the embedded one on first use.
+
+    The builder writes only inside the lorarl cache (where the preset keeps it): a path the user
+    gives means that model, so a mistyped one fails in preflight instead of training a toy."""
+    path = os.path.expanduser(run.model.path)
+    if run.model.builder is not None and Path(path).absolute().is_relative_to(Path(cache_dir()).absolute()):
+        from lorarl.models.tiny import ensure_built
+
+        ensure_built(run.model.builder, path, seed=0)
+    run.model.path = path
+    return path
+
+
+def prepare_data(run: RunConfig) -> None:
+    """Expand the data paths and check that each file the run reads exists.
+
+    A generator (data.generator) writes its task only inside the lorarl cache, where its data
+    preset puts it: a path the user gives means that file, so a mistyped one fails here in one
+    line, before anything starts, and nothing is written there."""
+    d = run.data
+    d.train_files = [os.path.expanduser(f) for f in d.train_files]
+    d.val_files = [os.path.expanduser(f) for f in d.val_files]
+    cache = Path(cache_dir()).absolute()
+    if d.generator is not None and Path(d.train_files[0]).absolute().is_relative_to(cache):
+        from lorarl.data import dataset, token_share
+
+        ensure = {"arith": dataset.ensure_arith_parquet, "token_share": token_share.ensure_parquet}[d.generator]
+        if not d.val_files:
+            d.val_files = [str(Path(d.train_files[0]).with_name("val.parquet"))]
+        if Path(d.val_files[0]).absolute().is_relative_to(cache):
+            ensure(d.train_files[0], d.val_files[0], n_train=d.generator_size, seed=0)
+    validation = run.trainer.test_freq > 0 or run.trainer.val_before_train
+    read = [("data.train_files", d.train_files)] + ([("data.val_files", d.val_files)] if validation else [])
+    for key, files in read:
+        for file in files:
+            if not Path(file).is_file():
+                raise DataError(
+                    f"{key}: data file {file!r} not found; fix the path, or write the file with "
+                    f"scripts/prepare_gsm8k.py or scripts/prepare_math.py (docs/data.md)"
+                )
+
+
+# ---- the specs ---------------------------------------------------------------------------
+
+
+def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpec:
+    """What every worker of `run` is given, training on `device` (cuda or cpu). `hf_config`, the
+    model's transformers config, sizes the update for the sleep plan (read when not given)."""
+    t, r = run.trainer, run.rollout
+    base_plan = plan_for_run(run, device, hf_config)
+    return WorkerSpec(
+        engine=engine_spec(run, device),
+        rollout=RolloutSpec(
+            engine_args=tuple(
+                rollout_args(run, device, engine) for engine in range(run.world_size // r.tensor_model_parallel_size)
+            ),
+            tensor_parallel_size=r.tensor_model_parallel_size,
+            n_gpus_per_node=t.n_gpus_per_node,
+            adapter_transport=r.adapter_transport,
+            fingerprint_base=t.check_sync,
+        ),
+        sleep=sleep_spec(run, device, hf_config, shared_base=base_plan.shared),
+        sync=SyncSpec(
+            merge=run.model.lora.merge,
+            layered_summon=r.layered_summon,
+            check=t.check_sync,
+            semantic=t.check_sync and backend_of(run.backend.strategy).checks_meaning(run.model.lora.merge),
+            tolerance=t.check_sync_tolerance,
+            probe_freq=t.check_sync_probe_freq,
+            fault=t.sync_fault,
+        ),
+        base_plan=base_plan,
+        rollout_correction=run.algorithm.rollout_correction,
+        train_batch_size=run.data.train_batch_size,
+        off_policy_steps=t.off_policy_steps,
+        seed=t.seed,
+        stall_report_s=t.stall_report_s,
+    )
+
+
+def engine_spec(run: RunConfig, device: str) -> EngineSpec:
+    b = run.backend
+    return EngineSpec(
+        model=run.model,
+        actor=run.actor,
+        backend=b,
+        engine=backend_of(b.strategy).engine,
+        seed=run.trainer.seed,
+        # A setting this device cannot run fails here, before any worker loads the model.
+        liger_kernel=use_liger_kernel(b.liger_kernel, b.compile, device) if hasattr(b, "liger_kernel") else False,
+    )
+
+
+def rollout_args(run: RunConfig, device: str, engine: int) -> vllm_engine_args.LLMArgs:
+    """The `vllm.LLM` arguments of rollout engine `engine` (its workers share them): lorarl's keys,
+    then rollout.engine_kwargs."""
+    r, m, d = run.rollout, run.model, run.data
+    return vllm_engine_args.build(
+        m.path,
+        lora_rank=None if m.lora.merge else m.lora.rank,
+        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
+        # The ranks of one engine sample in lockstep, so they share its seed.
+        seed=run.trainer.seed + engine,
+        # Every worker's vLLM is the build this driver has installed: the CPU one when training on CPU.
+        on_cpu=device != "cuda",
+        dtype=r.dtype,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        tensor_parallel_size=r.tensor_model_parallel_size,
+        enable_expert_parallel=r.enable_expert_parallel,
+        load_format=r.load_format,
+        # CUDA graphs sample several times faster on GPU; vLLM's CPU build runs eager.
+        enforce_eager=(device != "cuda") if r.enforce_eager is None else r.enforce_eager,
+        enable_sleep_mode=can_sleep(r.free_cache_engine, device),
+        trust_remote_code=m.trust_remote_code,
+        engine_kwargs=r.engine_kwargs,
+    )
+
+
+def sleep_spec(run: RunConfig, device: str, hf_config: Any = None, shared_base: bool = False) -> SleepSpec:
+    """The sleep setting, and the update's size when the setting leaves it to memory (GPU, null)."""
+    setting = run.rollout.free_cache_engine
+    if device != "cuda" or setting is not None:
+        return SleepSpec(setting, update_bytes=None, update_tokens=None)
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(run.model.path, trust_remote_code=run.model.trust_remote_code)
+    mp = run.backend.model_parallel_size()
+    dp = max(1, run.world_size // mp)
+    return SleepSpec(
+        setting,
+        update_bytes=run_update_bytes(run, memory.ModelDims.of(hf_config), dp, mp, shared_base=shared_base),
+        update_tokens=run_update_tokens(run, dp),
+    )
+
+
+def run_update_tokens(run: RunConfig, dp_size: int) -> int:
+    """Padded tokens of a run's largest possible update micro-batch: the token budget, or the
+    micro-batch's rows at the longest prompt + response the data allows."""
+    a, d = run.actor, run.data
+    seq = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz:
+        return max(a.ppo_max_token_len_per_gpu, seq)
+    rows_per_replica = max(1, a.ppo_mini_batch_size * run.rollout.n // dp_size)
+    return min(a.ppo_micro_batch_size_per_gpu, rows_per_replica) * seq
+
+
+def run_update_bytes(
+    run: RunConfig, dims: memory.ModelDims, dp_size: int, model_parallel: int, shared_base: bool = False
+) -> int:
+    """lorarl.memory.update_bytes for a run's largest micro-batch on one device (`run_update_tokens`).
+    With `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes."""
+    d, b = run.data, run.backend
+    seq = d.max_prompt_length + d.max_response_length
+    tokens = run_update_tokens(run, dp_size)
+    backend = backend_of(b.strategy)
+    return memory.update_bytes(
+        dims,
+        tokens=tokens,
+        response_tokens=tokens * d.max_response_length // seq,
+        checkpointing=run.model.enable_gradient_checkpointing,
+        rank=run.model.lora.rank,
+        targets=list(run.model.lora.target_modules),
+        dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
+        model_parallel=model_parallel,
+        head_at_every_position=backend.head_at_every_position,
+        vocab_parallel=backend.head_at_every_position and getattr(b, "tensor_model_parallel_size", 1) > 1,
+        gathered_weights_held=getattr(b, "reshard_after_forward", True) is False and not shared_base,
+        attention_scores_width=seq if getattr(b, "transformer_impl", None) == "local" else 0,
+    )

@@ -1,0 +1,57 @@
+"""docs/design.md's step trace names files and functions that exist."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = (ROOT / "docs" / "design.md").read_text()
+
+
+def step_trace(text: str) -> list[tuple[str, str]]:
+    """(file, name) of each function the section "One step, as the code runs it" names: the lines
+    of its code block, `path/module.py  Name, Class.method, ...`."""
+    section = text.split("## One step, as the code runs it", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, flags=re.S).group(1)
+    out = []
+    for line in block.splitlines():
+        file, names = line.split(maxsplit=1)
+        out += [(file, name.strip()) for name in names.split(",")]
+    return out
+
+
+def resolve(file: str, name: str):
+    """The object `name` (a function, or Class.method) of lorarl's module at `file`."""
+    module = "lorarl." + file.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+TRACE = step_trace(DESIGN)
+
+
+def test_the_trace_is_read():
+    files = {file for file, _ in TRACE}
+    assert len(TRACE) > 50 and {"trainer.py", "worker.py", "engines/fsdp.py", "worker_group.py"} <= files
+
+
+@pytest.mark.parametrize("file, name", TRACE, ids=[f"{f}:{n}" for f, n in TRACE])
+def test_each_named_function_exists(file, name):
+    assert (ROOT / "src" / "lorarl" / file).is_file(), f"docs/design.md names {file}, which src/lorarl lacks"
+    assert callable(resolve(file, name)) or isinstance(resolve(file, name), property)
+
+
+def test_a_renamed_function_fails():
+    """What the test exists for: a name that is gone is an AttributeError, a file that is gone an ImportError."""
+    renamed = step_trace(DESIGN.replace("GRPOTrainer.train_step,", "GRPOTrainer.run_step,", 1))
+    assert ("trainer.py", "GRPOTrainer.run_step") in renamed
+    with pytest.raises(AttributeError):
+        resolve("trainer.py", "GRPOTrainer.run_step")
+    with pytest.raises(ImportError):
+        resolve("sync/gone.py", "verify")
