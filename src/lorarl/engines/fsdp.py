@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms import losses
@@ -32,7 +32,7 @@ from lorarl.engines.base import (
     check_grad_norm,
     read_metrics,
 )
-from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
+from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.shared_base import frozen_params, model_on_views
@@ -319,13 +319,13 @@ class FSDPEngine:
     def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         out = {}
         with torch.no_grad():
-            for prefix, unit in _fsdp_units(self.model):
-                own = [(n, p) for n, p in _own_params(unit) if "lora_" in n]
+            for prefix, unit in fsdp_units(self.model):
+                own = [(n, p) for n, p in own_params(unit) if "lora_" in n]
                 if not own:
                     continue
                 unit.unshard()
                 # Unsharded params are swapped in only while unsharded: read them now.
-                for n, p in _own_params(unit):
+                for n, p in own_params(unit):
                     if "lora_" in n:
                         out[peft_name(prefix + n)] = p.detach().to(self.device, dtype=dtype, copy=True)
                 unit.reshard()
@@ -371,9 +371,9 @@ class FSDPEngine:
         scale = self.spec.model.lora.alpha / self.spec.model.lora.rank
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         with torch.no_grad():
-            for prefix, unit in _fsdp_units(self.model):
+            for prefix, unit in fsdp_units(self.model):
                 unit.unshard()
-                own = dict(_own_params(unit))
+                own = dict(own_params(unit))
                 for name, p in own.items():
                     if "lora_" in name:
                         continue
@@ -478,19 +478,6 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 def _jsonable(v) -> bool:
     return v is None or isinstance(v, (str, int, float, bool, list, dict))
-
-
-def _fsdp_units(model) -> list[tuple[str, FSDPModule]]:
-    """Every FSDP unit with the name prefix of its params, root first."""
-    return [(f"{n}." if n else "", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
-
-
-def _own_params(unit: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Params managed by this unit, not by a nested FSDP unit inside it."""
-    nested = [f"{n}." for n, m in unit.named_modules() if n and isinstance(m, FSDPModule)]
-    for name, p in unit.named_parameters():
-        if not any(name.startswith(pre) for pre in nested):
-            yield name, p
 
 
 def peft_name(param_name: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -48,3 +50,16 @@ def reshard_all(peft_model) -> None:
     for module in peft_model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def fsdp_units(model) -> list[tuple[str, FSDPModule]]:
+    """Every FSDP unit with the name prefix of its params, root first."""
+    return [(f"{n}." if n else "", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def own_params(unit: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Params managed by this unit, not by a nested FSDP unit inside it."""
+    nested = [f"{n}." for n, m in unit.named_modules() if n and isinstance(m, FSDPModule)]
+    for name, p in unit.named_parameters():
+        if not any(name.startswith(pre) for pre in nested):
+            yield name, p
