@@ -102,13 +102,16 @@ class Worker:
             gpus=[str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
         )
 
-    def free_port(self) -> int:
-        """A TCP port free on this worker's node, for the process group's rendezvous (rank 0)."""
+    def rendezvous(self) -> Rendezvous:
+        """Where the process group can meet on this worker's node (rank 0's): its IP and a free TCP port."""
         import socket
+
+        import ray
 
         with socket.socket() as s:
             s.bind(("", 0))
-            return s.getsockname()[1]
+            port = s.getsockname()[1]
+        return Rendezvous(master_addr=ray.util.get_node_ip_address(), master_port=port)
 
     @watched
     def setup(self, rendezvous: Rendezvous) -> WorkerSetup:

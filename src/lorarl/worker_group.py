@@ -22,7 +22,6 @@ from lorarl.errors import ConfigError, LorarlError, TrainingError
 from lorarl.messages import (
     GenerateRequest,
     Placement,
-    Rendezvous,
     Rollouts,
     SyncReport,
     SyncRequest,
@@ -199,9 +198,7 @@ class WorkerGroup:
             for i in range(self.world_size)
         ]
         self.placement = self._get([w.location.remote() for w in self.workers])
-        rendezvous = Rendezvous(
-            master_addr=self.placement[0].ip, master_port=self._get([self.workers[0].free_port.remote()])[0]
-        )
+        rendezvous = self._get([self.workers[0].rendezvous.remote()])[0]
         t1 = time.perf_counter()
         setups = self._get([w.setup.remote(rendezvous) for w in self.workers], "set-up")
         self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker

@@ -69,11 +69,11 @@ def passes(model: str, variant: str | None = None) -> list[torch.Tensor]:
         linears = sum(type(m) is PeftLoraLinear for m in engine.model.modules())
         logits = engine.model(input_ids=batch.input_ids[:2], use_cache=False).logits
         assert linears > 0 and graph_nodes(logits, "LoRALinearBackward") == linears, linears
-    batch.ref_logp = log_probs_at_temperature(engine, batch, reference=True)
-    before = log_probs_at_temperature(engine, batch)
-    first = update(engine, batch, 1)
-    second = update(engine, batch, 2)
-    after = log_probs_at_temperature(engine, batch)
+    batch.ref_logp = log_probs_at_temperature(engine, run, batch, reference=True)
+    before = log_probs_at_temperature(engine, run, batch)
+    first = update(engine, run, batch, 1)
+    second = update(engine, run, batch, 2)
+    after = log_probs_at_temperature(engine, run, batch)
     losses = torch.tensor([first["actor/pg_loss"], second["actor/kl_loss"], second["actor/grad_norm"]])
     return [batch.ref_logp, before, losses, after]
 
