@@ -176,10 +176,10 @@ def test_each_group_writes_only_its_own_keys(group):
 
 def test_tiny_tuning_goes_with_the_tiny_model_on_the_sums_only(hydra_compose):
     """The default run's tuning (conf/tuning/task/qwen2_tiny_arith.yaml) applies to that pair only:
-    the tiny model on other data is not capped at its 96 steps, nor sampled at its temperature."""
+    the tiny model on other data is not capped at its 112 steps, nor sampled at its temperature."""
     default = hydra_compose(["+backend=fsdp"])
-    assert default.trainer.total_steps == 96 and default.rollout.temperature == 0.4
-    assert hydra_compose(["+backend=fsdp", "model=qwen3_tiny"]).trainer.total_steps == 96
+    assert default.trainer.total_steps == 112 and default.rollout.temperature == 0.8
+    assert hydra_compose(["+backend=fsdp", "model=qwen3_tiny"]).trainer.total_steps == 112
     for overrides in (["data=gsm8k"], ["model=qwen3_tiny", "data=math_sample"]):
         other = hydra_compose(["+backend=fsdp", *overrides])
         assert other.trainer.total_steps is None and other.rollout.temperature == 1.0, overrides

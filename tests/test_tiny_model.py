@@ -127,7 +127,7 @@ def seen_rows() -> list[dict]:
 def test_warmup_makes_the_policy_partly_right(hf_model, tiny_tokenizer, tiny_model_path: Path):
     # Measured for 60 warm-up steps (seed 0, greedy): 17% of the 60 pairs the warm-up saw, 15% of
     # the 40 held-out ones (each the mirror of a seen pair). GRPO needs groups neither all right nor
-    # all wrong, and room above the start: the default run takes the held-out pairs to 0.3-0.45.
+    # all wrong, and room above the start: the default run takes the held-out pairs to 0.425-0.525.
     acc = tiny.greedy_accuracy(hf_model, tiny_tokenizer, seen_rows())
     held_out = tiny.greedy_accuracy(hf_model, tiny_tokenizer, arith.held_out_rows())
     assert 0.1 <= acc <= 0.7, acc
