@@ -95,6 +95,9 @@ def make_run(
         f"rollout.layered_summon={str(not tiny and not merge).lower()}",
         f"rollout.enforce_eager={str(not cuda_graphs).lower()}",
         "rollout.free_cache_engine=true",  # these steps measure sleep and wake
+        # Two copies of the base: the resend below drops vLLM's and sends the trainer's (the
+        # shared base is never sent; tests/gpu/test_shared_base_gpu.py covers its sleep).
+        *(["backend.share_base=false"] if backend == "fsdp" else []),
         f"actor.optim.lr={2e-3 if tiny else 1e-4}",
         f"actor.ppo_mini_batch_size={batch * dp}",
         f"actor.ppo_micro_batch_size_per_gpu={batch * n}",
@@ -236,8 +239,8 @@ def main() -> None:
                 "timing/step": time.perf_counter() - t_step,
                 "rollout/tokens_per_s": tokens / t_gen,
                 "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                "actor/grad_norm": train.grad_norm,
-                "actor/kl_loss": train.kl_loss,
+                "actor/grad_norm": train.ppo.grad_norm,
+                "actor/kl_loss": train.ppo.kl_loss,
                 **sync.metrics(),
             }
         )
