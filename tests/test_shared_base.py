@@ -39,7 +39,7 @@ def differ_from_checkpoint(worker) -> list[str]:
     from safetensors.torch import load_file
 
     saved = {}
-    for path in sorted(Path(worker.run.model.path).glob("*.safetensors")):
+    for path in sorted(Path(worker.spec.engine.model.path).glob("*.safetensors")):
         saved.update(load_file(str(path)))
     frozen = {hf_name(n): p for n, p in worker.engine.model.named_parameters() if not p.requires_grad}
     assert set(frozen) <= set(saved)
@@ -69,13 +69,17 @@ def vllm_param_addresses(worker) -> set[int]:
 def train_step(worker, step: int) -> dict:
     """A real update of the trainer (ppo_update on its own log-probs), then the worker's sync."""
     from lorarl.algorithms.batch import build_batch
-    from tests.distributed.fsdp_engine_check import PROMPTS, RESPONSES, update
+    from lorarl.algorithms.ppo import ppo_update
+    from lorarl.messages import Sampling
+    from tests.distributed.fsdp_engine_check import PROMPTS, RESPONSES
 
     engine = worker.engine
     batch = build_batch(PROMPTS, RESPONSES, engine.pad_token_id, [1.0, -1.0], engine.left_pad_prompts)
     batch.old_logp = engine.log_probs(batch, temperature=1.0)
     batch.ref_logp = engine.log_probs(batch, temperature=1.0, reference=True)
-    update(engine, batch, step)
+    # The worker's own actor settings and correction; one sequence per prompt, as the batch is.
+    sampling = Sampling(n=1, temperature=1.0, max_response_length=len(max(RESPONSES, key=len)), seed=0)
+    ppo_update(engine, batch, step, sampling, worker.spec.engine.actor, worker.correction)
     return worker.sync(SyncRequest(step=step, last=False))
 
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms.batch import build_batch
 from lorarl.engines.fsdp import FSDPEngine
+from lorarl.prepare import engine_spec
 
 STEPS = 3
 
@@ -69,12 +70,13 @@ def main(model_path: str, out: str, fault: str | None) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     run = make_run(model_path, world)
-    sharded = FSDPEngine(run, torch.device("cpu"))
+    spec = engine_spec(run, "cpu")
+    sharded = FSDPEngine(spec, torch.device("cpu"))
     checkpoint = load_file(str(Path(model_path) / "model.safetensors"))
     views = dict(checkpoint)
     if fault == "wrong_rows":
         views["model.layers.0.self_attn.q_proj.weight"] = checkpoint["model.layers.1.self_attn.q_proj.weight"]
-    shared = FSDPEngine(run, torch.device("cpu"), base=views)
+    shared = FSDPEngine(spec, torch.device("cpu"), base=views)
     for engine in (sharded, shared):
         randomize_lora(engine)  # the same full LoRA tensors in both
     frozen = {n: p for n, p in shared.model.named_parameters() if not p.requires_grad}
@@ -95,7 +97,7 @@ def main(model_path: str, out: str, fault: str | None) -> None:
             batch = rank_batch(rank, engine.pad_token_id)
             batch.old_logp = engine.log_probs(batch, temperature=1.0)
             batch.ref_logp = engine.log_probs(batch, temperature=1.0, reference=True)
-            metrics[name] = update(engine, batch, step)
+            metrics[name] = update(engine, run, batch, step)
         a, b = sharded.lora_state(), shared.lora_state()
         ga, gb = grads["sharded"][-1], grads["shared"][-1]
         steps.append(
