@@ -45,3 +45,15 @@ def run_cache(tiny_model_path: Path) -> Path:
     if not link.exists():
         link.symlink_to(tiny_model_path, target_is_directory=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def model_cache(run_cache: Path) -> Path:
+    """run_cache with the session's Qwen3 and Qwen3-MoE under their presets' names."""
+    from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
+
+    for arch in ("qwen3", "qwen3_moe"):
+        link = run_cache / f"{arch}_tiny"
+        if not link.exists():
+            link.symlink_to(ensure_tiny_model(default_tiny_model_path(arch=arch), arch=arch), target_is_directory=True)
+    return run_cache
