@@ -8,7 +8,7 @@ import math
 from tests.gpu.shape_summary import main, step_rows, summarise
 
 
-def rows(rewards, std=0.1, match=1.0, ref=0.5, noise=0.01, key="sync/adapter_match"):
+def rows(rewards, std=0.1, match=1.0, ref=0.5, noise=0.01, key="sync/adapter_match", meaning="sync/adapter_meaning"):
     return [
         {
             "step": i + 1,
@@ -17,6 +17,7 @@ def rows(rewards, std=0.1, match=1.0, ref=0.5, noise=0.01, key="sync/adapter_mat
             "actor/grad_norm": 0.3,
             "sync/kind": "adapter",
             key: match,
+            meaning: 1.0,
             "sync/logprob_diff_max": 4 * noise,
             "sync/logprob_diff_mean": noise,
             "sync/logprob_ref_diff_mean": ref,
@@ -35,7 +36,7 @@ def test_a_moving_adapter_passes_all_three():
     assert math.isclose(v["reward_rose"]["needed"], 3 * math.sqrt(6 * 0.01 / 128) / 3)
     assert math.isclose(v["reward_rose"]["rise"], (0.18 + 0.20 + 0.22 - 0.10 - 0.11 - 0.12) / 3)
     assert v["adapter_effect_over_probe_noise"]["ratio"] == 50.0
-    assert out["passed"] and out["steps"][0]["checks"] == {"sync/adapter_match": 1.0}
+    assert out["passed"] and out["steps"][0]["checks"] == {"sync/adapter_match": 1.0, "sync/adapter_meaning": 1.0}
     assert out["steps"][-1]["probe"] == {
         "logprob_diff_max": 0.04,
         "logprob_diff_mean": 0.01,
@@ -52,8 +53,11 @@ def test_each_fault_fails_its_part():
     assert not summarise(bad, 128, 0)["verdict"]["sync_checks_passed"]["passed"]
     assert not summarise(rows(RISING), 128, rc=2)["verdict"]["sync_checks_passed"]["passed"]
     unchecked = rows(RISING)
-    del unchecked[2]["sync/adapter_match"]
+    del unchecked[2]["sync/adapter_meaning"]  # a step without the semantic check is unchecked
     assert summarise(unchecked, 128, 0)["verdict"]["sync_checks_passed"]["steps_without_check"] == [3]
+    wrong = rows(RISING)
+    wrong[6]["sync/adapter_meaning"] = 0.0
+    assert not summarise(wrong, 128, 0)["verdict"]["sync_checks_passed"]["passed"]
     still = summarise(rows(RISING, ref=0.09, noise=0.01), 128, 0)  # effect 9x the noise
     assert not still["verdict"]["adapter_effect_over_probe_noise"]["passed"]
     no_probe = rows(RISING)
@@ -65,7 +69,7 @@ def test_the_command_reads_a_run_folder_and_its_error_line(tmp_path, monkeypatch
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("data:\n  train_batch_size: 16\nrollout:\n  n: 8\n")
-    lines = [{"step": 0, "init/timing/prepare": 1.0}, *rows(RISING, key="sync/weights_match")]
+    lines = [{"step": 0, "init/timing/prepare": 1.0}, *rows(RISING, key="sync/weights_match", meaning="sync/merged_meaning")]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     assert [r["step"] for r in step_rows(run / "metrics.jsonl")] == list(range(1, 9))
     log = tmp_path / "run.log"

@@ -75,7 +75,9 @@ def build(out: Path, layers: int, device: str, tiny: bool) -> Path:
         torch.set_default_dtype(default)
     model.config.dtype = "bfloat16"
     tmp = out.with_name(out.name + ".tmp")
-    model.to("cpu").save_pretrained(tmp, safe_serialization=True)
+    # Saved from where it was built: safetensors copies one tensor at a time to host memory, so a
+    # 61 GB model never needs a second whole copy in RAM (it may be written to /dev/shm).
+    model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     params = sum(p.numel() for p in model.parameters())
     (tmp / DONE).write_text(json.dumps({"dims": dims, "params": params, "dtype": "bfloat16"}))

@@ -2,12 +2,14 @@
 
     python -m tests.gpu.shape_summary RUN_DIR OUT.json [--log RUN.log] [--rc N] [--model-info FILE]
 
-Per step: reward mean/std, grad_norm, every sync check the step logged (`sync/*_match`), the
-probe's three numbers and the step's timings. At the end, whether
+Per step: reward mean/std, grad_norm, every sync check the step logged (`sync/*_match`, and the
+semantic check `sync/*_meaning`), the probe's three numbers, the step's timings (the checks' own
+seconds among them) and peak device memory. At the end, whether
   (a) the reward rose: the last 3 steps' mean reward over the first 3's by more than
       RISE_IN_STANDARD_ERRORS standard errors of that difference (each step's mean has standard
       error reward/std / sqrt(samples per step));
-  (b) every sync check passed: the run exited 0 and every step logged at least one check, all 1;
+  (b) every sync check passed: the run exited 0 and every step logged the semantic check and
+      every other check it ran, all 1;
   (c) the adapter's effect on the probe (`logprob_ref_diff_mean`, trainer with vs without the
       adapter) is at least PROBE_EFFECT_OVER_NOISE times the probe's own noise
       (`logprob_diff_mean`, trainer vs vLLM) at the last step.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 RISE_IN_STANDARD_ERRORS = 3.0
 PROBE_EFFECT_OVER_NOISE = 10.0
+CHECK_SUFFIXES = ("_match", "_meaning")
 PROBE_KEYS = ("sync/logprob_diff_max", "sync/logprob_diff_mean", "sync/logprob_ref_diff_mean")
 
 
@@ -41,9 +44,13 @@ def step_summary(row: dict) -> dict:
         "reward_std": row["reward/std"],
         "grad_norm": row.get("actor/grad_norm"),
         "sync_kind": row.get("sync/kind"),
-        "checks": {k: v for k, v in row.items() if k.startswith("sync/") and k.endswith("_match")},
+        "checks": {k: v for k, v in row.items() if k.startswith("sync/") and k.endswith(CHECK_SUFFIXES)},
         "probe": {k.removeprefix("sync/"): row.get(k) for k in PROBE_KEYS},
-        "timing": {k.removeprefix("timing/"): v for k, v in row.items() if k.startswith("timing/")},
+        "timing": {
+            **{k.removeprefix("timing/"): v for k, v in row.items() if k.startswith("timing/")},
+            **{k: v for k, v in row.items() if k.startswith("sync/") and k.endswith("_seconds")},
+        },
+        "memory": {k.removeprefix("memory/"): v for k, v in row.items() if k.startswith("memory/")},
     }
 
 
@@ -60,7 +67,7 @@ def reward_rose(steps: list[dict], samples_per_step: int) -> dict:
 
 def checks_passed(steps: list[dict], rc: int) -> dict:
     values = [v for s in steps for v in s["checks"].values()]
-    unchecked = [s["step"] for s in steps if not s["checks"]]
+    unchecked = [s["step"] for s in steps if not any(k.endswith("_meaning") for k in s["checks"])]
     ok = rc == 0 and bool(steps) and not unchecked and all(v == 1.0 for v in values)
     return {"rc": rc, "checks_logged": len(values), "steps_without_check": unchecked, "passed": ok}
 
