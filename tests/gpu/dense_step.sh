@@ -15,7 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/dense_out}; mkdir -p "$OUT"
 NAME=dense_step${TAG:+_$TAG}
-export LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
 PY=${PYTHON:-python3}
 if [ "${SHAPE:-gpu}" = tiny ]; then
   M=$LORARL_CACHE/qwen2_tiny_random
@@ -29,7 +29,9 @@ else
   INFO=$M/bench_model.json
   # lr 1e-4: on a random Qwen3-0.6B shape (H200, tests/gpu_logs/grpo_loop run6) it moved the probe's
   # adapter effect from 0.026 to 0.13 in 4 steps against 0.007 of trainer-vLLM noise.
-  ARGS=(model=qwen2_5_7b_instruct rollout.enforce_eager=false data.train_batch_size=${PROMPTS:-16} rollout.n=8
+  # backend.liger_kernel=false: the run measures the sync and its checks, not the loss kernel, and
+  # needs only vLLM, transformers and PEFT on the machine.
+  ARGS=(model=qwen2_5_7b_instruct backend.liger_kernel=false rollout.enforce_eager=false data.train_batch_size=${PROMPTS:-16} rollout.n=8
         actor.ppo_mini_batch_size=${PROMPTS:-16} data.max_response_length=128 actor.optim.lr=${LR:-1e-4}
         trainer.total_steps=${STEPS:-20})
 fi

@@ -23,7 +23,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_out}; mkdir -p "$OUT"
 NAME=moe_step${TAG:+_$TAG}
-export LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
 PY=${PYTHON:-python3}
 if [ "${SHAPE:-gpu}" = tiny ]; then
   M=$LORARL_CACHE/qwen3_moe_shape_tiny
