@@ -59,11 +59,45 @@ def _why_not(run, device_type: str | None, engine_dtype: str | None, moe: bool |
     return None
 
 
+@dataclass(frozen=True)
+class LayoutBytes:
+    """Per-GPU bytes of the weights and the LoRA training state in the two layouts a data-parallel
+    run of `world_size` can take: one shared copy of the base on each GPU with the LoRA state
+    replicated (only LoRA gradients are all-reduced), or vLLM's whole copy plus FSDP's 1/N shard
+    of the trainer's copy, with the LoRA state sharded too."""
+
+    world_size: int
+    weight_bytes: int
+    lora_params: int
+
+    @property
+    def shared(self) -> int:
+        return self.weight_bytes + 16 * self.lora_params  # fp32 LoRA weights, gradients, AdamW's two moments
+
+    @property
+    def sharded(self) -> int:
+        return self.weight_bytes + (self.weight_bytes + 16 * self.lora_params) // self.world_size
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        return (
+            f"weights and LoRA state per GPU: ~{self.shared / gib:.1f} GiB with one shared copy, "
+            f"~{self.sharded / gib:.1f} GiB with FSDP sharding a second copy over {self.world_size}"
+        )
+
+
 def plan_base(
-    run, device_type: str | None = None, engine_dtype: str | None = None, moe: bool | None = None
+    run,
+    device_type: str | None = None,
+    engine_dtype: str | None = None,
+    moe: bool | None = None,
+    sizes: LayoutBytes | None = None,
 ) -> BasePlan:
     """Whether the trainer shares vLLM's base. `true` where it cannot apply is a ConfigError
-    naming the key; `auto` there falls back to two copies and the plan says why."""
+    naming the key; `auto` there falls back to two copies and the plan says why. With `sizes`
+    (data parallel over several GPUs) `auto` takes the layout that needs less memory per GPU: the
+    shared copy unless the LoRA state is so large that replicating it costs more than a sharded
+    second copy of the base."""
     setting = getattr(run.backend, "share_base", False)
     why = _why_not(run, device_type, engine_dtype, moe)
     if setting is False:
@@ -72,7 +106,39 @@ def plan_base(
         if setting is True:
             raise ConfigError(f"backend.share_base=true cannot apply: {why}; set backend.share_base=auto or false")
         return BasePlan(False, f"{why}; backend.share_base=auto")
+    if sizes is not None and sizes.world_size > 1:
+        if setting == "auto" and sizes.sharded < sizes.shared:
+            return BasePlan(False, f"{sizes}; backend.share_base=auto")
+        return BasePlan(True, f"{sizes}; backend.share_base={'true' if setting is True else 'auto'}")
     return BasePlan(True, f"backend.share_base={'true' if setting is True else 'auto'}")
+
+
+def layout_bytes(run, config) -> LayoutBytes:
+    """LayoutBytes of `run`: the checkpoint's safetensors bytes, and the LoRA parameters PEFT
+    adds to the model of `config` (counted on a model with no storage, so any architecture and
+    any target_parameters are counted as the trainer will build them)."""
+    from pathlib import Path
+
+    from accelerate import init_empty_weights
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    m = run.model
+    weight_bytes = sum(f.stat().st_size for f in Path(m.path).glob("*.safetensors"))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    targets = m.lora.target_modules
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=m.lora.rank,
+            lora_alpha=m.lora.alpha,
+            target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+            target_parameters=list(m.lora.target_parameters) or None,
+        ),
+    )
+    lora = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    return LayoutBytes(run.world_size, weight_bytes, lora)
 
 
 def model_on_views(model_path: str, dtype: torch.dtype, views: dict[str, torch.Tensor], trust_remote_code: bool):
@@ -142,4 +208,5 @@ def plan_for_run(run, device_type: str, config=None) -> BasePlan:
         saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype = str(saved).removeprefix("torch.") if saved is not None else "unknown"
     moe = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
-    return plan_base(run, device_type, dtype, moe)
+    sizes = layout_bytes(run, config) if run.world_size > 1 and _why_not(run, device_type, dtype, moe) is None else None
+    return plan_base(run, device_type, dtype, moe, sizes)
