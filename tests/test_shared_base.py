@@ -287,33 +287,23 @@ def test_base_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_p
     assert not plan.shared and "fused-MoE" in str(plan)
 
 
-def test_data_parallel_chooses_the_layout_that_needs_less_memory_per_gpu(tiny_model_path):
-    """At world size > 1 the plan weighs one shared copy with the LoRA state replicated against a
-    sharded second copy with the LoRA state sharded; the LoRA count is checked against the
-    config's own dims (rank x (in + out) for each of the seven projections of every layer)."""
+def test_data_parallel_plan_says_what_each_layout_needs_per_gpu(tiny_model_path):
+    """At world size > 1 the plan states the per-GPU bytes of the shared layout and of a sharded
+    second copy; the LoRA count is checked against the config's own dims (rank x (in + out) for
+    each of the seven projections of every layer) and the bytes against the checkpoint's files."""
     from transformers import AutoConfig
 
     from lorarl.engines.shared_base import LayoutBytes, layout_bytes, plan_base
 
     run = compose_run(f"model.path={tiny_model_path}", "trainer.n_gpus_per_node=2")
     c = AutoConfig.from_pretrained(tiny_model_path)
-    h, i, q, kv = (
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-    )
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
     sizes = layout_bytes(run, c)
     assert sizes.lora_params == run.model.lora.rank * per_layer * c.num_hidden_layers
     assert sizes.weight_bytes == sum(f.stat().st_size for f in Path(tiny_model_path).glob("*.safetensors"))
     plan = plan_base(run, "cpu", "float32", False, sizes)
-    assert plan.shared and "with one shared copy" in str(plan)
-    # A LoRA state larger than the base: replicating it costs more than a sharded second copy.
-    big = LayoutBytes(world_size=8, weight_bytes=16 << 30, lora_params=2 << 30)
-    assert big.shared == (16 << 30) + 16 * (2 << 30) and big.sharded == (16 << 30) + (48 << 30) // 8
-    assert not plan_base(run, "cpu", "float32", False, big).shared
-    assert plan_base(
-        compose_run(f"model.path={tiny_model_path}", "backend.share_base=true"), "cpu", "float32", False, big
-    ).shared
-    assert plan_base(run, "cpu", "float32", False, LayoutBytes(8, 16 << 30, 1 << 20)).shared
+    assert plan.shared and str(plan).startswith("base: one copy") and "GiB shared, against" in str(plan)
+    eight = LayoutBytes(world_size=8, weight_bytes=16 << 30, lora_params=1 << 30)
+    assert (eight.shared, eight.sharded) == ((16 << 30) + (2 << 30), (18 << 30) + (2 << 30))

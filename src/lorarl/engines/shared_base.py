@@ -62,27 +62,31 @@ def _why_not(run, device_type: str | None, engine_dtype: str | None, moe: bool |
 @dataclass(frozen=True)
 class LayoutBytes:
     """Per-GPU bytes of the weights and the LoRA training state in the two layouts a data-parallel
-    run of `world_size` can take: one shared copy of the base on each GPU with the LoRA state
-    replicated (only LoRA gradients are all-reduced), or vLLM's whole copy plus FSDP's 1/N shard
-    of the trainer's copy, with the LoRA state sharded too."""
+    run of `world_size` can take. FSDP shards the LoRA factors, gradients and AdamW state in both;
+    the shared layout holds one copy of the base per GPU (vLLM's), the other holds vLLM's copy plus
+    FSDP's 1/N shard of the trainer's. Sharing therefore always needs less, by that shard."""
 
     world_size: int
     weight_bytes: int
     lora_params: int
 
     @property
+    def lora_state(self) -> int:
+        return 16 * self.lora_params // self.world_size  # fp32 factors, gradients, AdamW's two moments
+
+    @property
     def shared(self) -> int:
-        return self.weight_bytes + 16 * self.lora_params  # fp32 LoRA weights, gradients, AdamW's two moments
+        return self.weight_bytes + self.lora_state
 
     @property
     def sharded(self) -> int:
-        return self.weight_bytes + (self.weight_bytes + 16 * self.lora_params) // self.world_size
+        return self.weight_bytes + self.weight_bytes // self.world_size + self.lora_state
 
     def __str__(self) -> str:
         gib = 1 << 30
         return (
-            f"weights and LoRA state per GPU: ~{self.shared / gib:.1f} GiB with one shared copy, "
-            f"~{self.sharded / gib:.1f} GiB with FSDP sharding a second copy over {self.world_size}"
+            f"weights and LoRA state per GPU: ~{self.shared / gib:.2f} GiB shared, against "
+            f"~{self.sharded / gib:.2f} GiB with FSDP sharding a second copy over {self.world_size}"
         )
 
 
@@ -95,9 +99,7 @@ def plan_base(
 ) -> BasePlan:
     """Whether the trainer shares vLLM's base. `true` where it cannot apply is a ConfigError
     naming the key; `auto` there falls back to two copies and the plan says why. With `sizes`
-    (data parallel over several GPUs) `auto` takes the layout that needs less memory per GPU: the
-    shared copy unless the LoRA state is so large that replicating it costs more than a sharded
-    second copy of the base."""
+    (data parallel over several GPUs) the plan also says what each layout needs per GPU."""
     setting = getattr(run.backend, "share_base", False)
     why = _why_not(run, device_type, engine_dtype, moe)
     if setting is False:
@@ -106,11 +108,8 @@ def plan_base(
         if setting is True:
             raise ConfigError(f"backend.share_base=true cannot apply: {why}; set backend.share_base=auto or false")
         return BasePlan(False, f"{why}; backend.share_base=auto")
-    if sizes is not None and sizes.world_size > 1:
-        if setting == "auto" and sizes.sharded < sizes.shared:
-            return BasePlan(False, f"{sizes}; backend.share_base=auto")
-        return BasePlan(True, f"{sizes}; backend.share_base={'true' if setting is True else 'auto'}")
-    return BasePlan(True, f"backend.share_base={'true' if setting is True else 'auto'}")
+    named = f"backend.share_base={'true' if setting is True else 'auto'}"
+    return BasePlan(True, f"{sizes}; {named}" if sizes is not None and sizes.world_size > 1 else named)
 
 
 def layout_bytes(run, config) -> LayoutBytes:
