@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from lorarl.errors import ConfigError, LorarlError, SyncError
 from lorarl.messages import SyncRequest
 from lorarl.sync import semantic
 from lorarl.sync.faults import FAULTS, SyncFault
+from tests import workers
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["qwen2_tiny", "qwen3_tiny", "qwen3_moe_tiny"]
@@ -43,37 +43,8 @@ PLACE = {
 
 
 def make_worker(model: str, cache: Path, *overrides: str):
-    """The real Worker (vLLM CPU + FSDP2 over gloo, one process), composed from the real config."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lorarl.config.compose import to_run_config
-    from lorarl.messages import Rendezvous
-    from lorarl.prepare import prepare_model, worker_spec
-    from lorarl.worker import Worker
-
-    os.environ["LORARL_CACHE"] = str(cache)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "grpo",
-            overrides=[
-                "+backend=fsdp",
-                f"model={model}",
-                "trainer.experiment_name=x",
-                "trainer.device=cpu",
-                *overrides,
-            ],
-        )
-    GlobalHydra.instance().clear()
-    run = to_run_config(cfg)
-    prepare_model(run)
-    worker = Worker(worker_spec(run, "cpu"), rank=0, world_size=1, device="cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
-    return worker
+    """The real Worker (vLLM CPU + FSDP2 over gloo, one process) for the embedded `model`."""
+    return workers.make_worker(f"model={model}", *overrides, cache=cache)
 
 
 @pytest.fixture(scope="module", params=MODELS)

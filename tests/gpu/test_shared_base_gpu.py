@@ -16,7 +16,6 @@ CPU counterparts: tests/test_shared_base.py.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 
 from lorarl.messages import SyncRequest
 from tests.test_shared_base import differ_from_checkpoint, train_step, unshared
+from tests.workers import make_worker
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,38 +34,9 @@ def cache_dir() -> Path:
 
 
 def gpu_worker(model_path: Path, *overrides: str):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lorarl.config.compose import to_run_config
-    from lorarl.messages import Rendezvous
-    from lorarl.prepare import prepare_model, worker_spec
-    from lorarl.worker import Worker
-
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "grpo",
-            overrides=[
-                "+backend=fsdp",
-                "trainer.experiment_name=x",
-                "trainer.device=cuda",
-                f"model.path={model_path}",
-                "rollout.gpu_memory_utilization=0.4",
-                *overrides,
-            ],
-        )
-    GlobalHydra.instance().clear()
-    run = to_run_config(cfg)
-    prepare_model(run)
-    w = Worker(worker_spec(run, "cuda"), rank=0, world_size=1, device="cuda")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    w.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
-    return w
+    return make_worker(f"model.path={model_path}", "rollout.gpu_memory_utilization=0.4", *overrides, device="cuda")
 
 
 def test_sleep_frees_only_the_kv_cache_and_the_shared_weights_stay():

@@ -115,37 +115,13 @@ def check_7b_summary(summary: list[dict]) -> None:
 def worker():
     """The real Worker on one GPU: FSDP2 (NCCL, world 1) + vLLM with sleep mode, bf16, 0.5B shape."""
     need_gpu()
-    import socket
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     from bench.common import shaped_model
-    from lorarl.config.compose import to_run_config
-    from lorarl.messages import Rendezvous
-    from lorarl.prepare import worker_spec
-    from lorarl.worker import Worker
+    from tests.workers import make_worker
 
     model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "grpo",
-            overrides=[
-                "+backend=fsdp",
-                "trainer.experiment_name=x",
-                "trainer.device=cuda",
-                "model=qwen2_5_0_5b_instruct",
-                f"model.path={model}",
-                "rollout.gpu_memory_utilization=0.4",
-            ],
-        )
-    GlobalHydra.instance().clear()
-    w = Worker(worker_spec(to_run_config(cfg), "cuda"), rank=0, world_size=1, device="cuda")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    w.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
+    w = make_worker(
+        "model=qwen2_5_0_5b_instruct", f"model.path={model}", "rollout.gpu_memory_utilization=0.4", device="cuda"
+    )
     gen = torch.Generator().manual_seed(0)
     w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
     yield w
