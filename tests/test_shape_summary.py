@@ -69,7 +69,10 @@ def test_the_command_reads_a_run_folder_and_its_error_line(tmp_path, monkeypatch
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("data:\n  train_batch_size: 16\nrollout:\n  n: 8\n")
-    lines = [{"step": 0, "init/timing/prepare": 1.0}, *rows(RISING, key="sync/weights_match", meaning="sync/merged_meaning")]
+    lines = [
+        {"step": 0, "init/timing/prepare": 1.0},
+        *rows(RISING, key="sync/weights_match", meaning="sync/merged_meaning"),
+    ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     assert [r["step"] for r in step_rows(run / "metrics.jsonl")] == list(range(1, 9))
     log = tmp_path / "run.log"
