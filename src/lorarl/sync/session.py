@@ -170,7 +170,7 @@ def export_adapter(engine: Engine, method: str | None, dtype: torch.dtype, fault
     return fault.corrupt(payload, engine), gather_s
 
 
-def check_adapter(rollout, payload, expected: Callable[[], dict] | None, rank: int) -> dict:
+def check_adapter(rollout, payload, expected: Callable[[], dict] | None, rank: int | None) -> dict:
     """Transport (vLLM holds the bytes sent), then meaning (those bytes apply the trainer's deltas,
     `expected()` being the trainer's projections; None: no semantic check)."""
     t0 = time.perf_counter()

@@ -123,7 +123,11 @@ class SyncReceiver:
                 stats = self.rollout.apply(bundle.payload)
                 stats.gather_s = bundle.gather_seconds
                 self.version = bundle.version
-            checks = self._check(bundle) if self.check else {}
+            try:
+                checks = self._check(bundle) if self.check else {}
+            except SyncError as err:
+                what = "the first sync's self-test adapter" if bundle.self_test else f"adapter version {bundle.version}"
+                raise SyncError(f"rollout worker {self.rank}, {what}: {err}") from err
             report = dataclasses.replace(SyncReport.of([stats], self.rollout.num_adapters()), **checks)
         assert report is not None
         return report
@@ -135,14 +139,13 @@ class SyncReceiver:
             expected = bundle.expected
             if expected is None:
                 raise SyncError(
-                    f"rollout worker {self.rank}: no adapter arrived for version {bundle.version}; it holds "
-                    f"{'none' if self.version is None else f'version {self.version}'}"
+                    f"no adapter arrived; vLLM holds {'none' if self.version is None else f'version {self.version}'}"
                 )
             t0 = time.perf_counter()
-            meaning = semantic.verify_projections(expected, self.rollout, self.rank)
+            meaning = semantic.verify_projections(expected, self.rollout)
             return {"adapter_meaning": meaning, "meaning_check_seconds": time.perf_counter() - t0}
         expected = None if bundle.expected is None else (lambda: bundle.expected)
-        return check_adapter(self.rollout, bundle.payload, expected, self.rank)
+        return check_adapter(self.rollout, bundle.payload, expected, None)
 
     def probe_due(self, request: SyncRequest) -> list[list[int]] | None:
         """The probe sequences when this sync probes (as the colocated session decides), else None."""
@@ -157,7 +160,10 @@ class SyncReceiver:
         vllm = probe.rollout_logprobs(self.rollout, self.probe_seqs)
         reading = probe.read_probe(trainer.trainer, vllm, trainer.reference)
         bounds = probe.probe_bounds(trainer.trainer_fp32, self.rollout.dtype, self.tolerance)
-        probe.judge_probe(reading, bounds, rank=self.rank)
+        try:
+            probe.judge_probe(reading, bounds)
+        except SyncError as err:
+            raise SyncError(f"rollout worker {self.rank}, probe: {err}") from err
         return dataclasses.replace(
             report,
             logprob_diff_max=reading.sync_max,
