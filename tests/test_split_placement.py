@@ -42,6 +42,7 @@ def test_default_is_colocated_with_no_rollout_workers_of_their_own():
         ([SPLIT, "rollout.load_format=dummy"], "rollout.load_format"),
         ([SPLIT, "rollout.free_cache_engine=true"], "rollout.free_cache_engine"),
         (["trainer.sync_fault=drop_send"], "trainer.sync_fault=drop_send"),
+        (["trainer.sync_fault=stale_send"], "trainer.sync_fault=stale_send"),
     ],
 )
 def test_what_split_placement_cannot_do_is_refused_by_key(overrides, key):
@@ -95,16 +96,29 @@ def test_split_off_policy_run_checks_every_sync_and_stays_one_version_behind(run
 
 
 @pytest.mark.slow
-def test_a_rollout_that_never_receives_the_adapter_stops_the_run_at_the_first_sync(run_cache, tmp_path):
-    """trainer.sync_fault=drop_send: the trainer's bundles reach the rollout worker without the
-    payload. The semantic check's expected side, computed on the trainer, still arrives, and vLLM
-    holds nothing to match it: one line, exit code 2, before any step."""
+@pytest.mark.parametrize(
+    "fault, line",
+    [
+        # Nothing arrives, the self-test's adapter first: vLLM holds none.
+        (
+            "drop_send",
+            "error: rollout worker 0, the first sync's self-test adapter: vLLM holds no adapter after the sync",
+        ),
+        # Only the first sync's adapter arrives: after step 1's update vLLM still serves version 0.
+        ("stale_send", "error: step 1: rollout worker 0, adapter version 1: layer 0 "),
+    ],
+)
+def test_a_rollout_that_never_receives_the_adapter_stops_the_run(run_cache, tmp_path, fault, line):
+    """The trainer's bundles reach the rollout worker without the payload (every time, or after
+    the first sync). The semantic check's expected side, computed from the trainer's parameters,
+    still arrives, and what vLLM holds does not match it: one line, exit code 2, no step logged."""
     from tests.test_grpo_e2e import grpo
 
     run = tmp_path / "run"
-    out = grpo(run, run_cache, *SMALL, "trainer.total_steps=2", "trainer.sync_fault=drop_send")
+    out = grpo(run, run_cache, *SMALL, "trainer.total_steps=2", f"trainer.sync_fault={fault}")
     assert out.returncode == 2, out.stderr[-5000:]
-    errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, errors
-    assert "rollout worker 0, the first sync's self-test adapter: vLLM holds no adapter after the sync" in errors[0]
+    errors = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), errors
+    if fault == "stale_send":
+        assert "the delta vLLM applies is not the trainer's" in errors[0]
     assert not [r for r in _rows(run) if "reward/mean" in r]

@@ -17,6 +17,7 @@ from lorarl.config.backends import MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
 from lorarl.errors import ConfigError, check
 from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
+from lorarl.sync.faults import SEND_FAULTS
 
 
 def check_known_keys(config: Any) -> None:
@@ -124,8 +125,8 @@ def check_placement(run: RunConfig) -> None:
             "vLLM in every training worker; set trainer.placement=split or rollout.n_workers=null",
         )
         check(
-            t.sync_fault != "drop_send",
-            "trainer.sync_fault=drop_send drops the send to rollout workers of their own; it needs "
+            t.sync_fault not in SEND_FAULTS,
+            f"trainer.sync_fault={t.sync_fault} acts on the send to rollout workers of their own; it needs "
             "trainer.placement=split",
         )
         return

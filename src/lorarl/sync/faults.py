@@ -19,10 +19,11 @@ In merged mode (`model.lora.merge=true`) the same faults act on the merged weigh
     qk_swap         q_proj and k_proj exchanged in the first layer (A always, B where shapes match)
     trainer_scaling the trainer's scaling of its first LoRA module x 1.5 after the adapter is made
 
-One fault acts on the send between processes instead, so it needs trainer.placement=split:
+Two faults act on the send between processes instead, so they need trainer.placement=split (the
+trainer's expected side of the checks still arrives, as a lost transfer would leave it):
 
-    drop_send       the adapter never reaches the rollout workers (the trainer's expected side of the
-                    checks still does, as a lost transfer would leave it)
+    drop_send       the adapter never reaches the rollout workers
+    stale_send      only the first sync's adapter does: the rollout keeps serving it
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ FAULTS = (
     "qk_swap",
     "trainer_scaling",
 )
-SEND_FAULTS = ("drop_send",)
+SEND_FAULTS = ("drop_send", "stale_send")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -63,10 +64,10 @@ class SyncFault:
         self.name = name
         self._previous: dict[str, Tensor] = {}
 
-    @property
-    def drops_send(self) -> bool:
-        """The adapter is not sent to the rollout workers (split placement)."""
-        return self.name == "drop_send"
+    def drops_send(self, synced_before: bool) -> bool:
+        """Whether this adapter is kept from the rollout workers (split placement); `synced_before`:
+        an adapter (not the first sync's self-test) was sent already."""
+        return self.name == "drop_send" or (self.name == "stale_send" and synced_before)
 
     def on_engine(self, engine) -> None:
         """Faults in the trainer itself, applied once after the engine is made."""

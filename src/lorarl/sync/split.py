@@ -67,6 +67,7 @@ class SyncSender:
         self.fault = SyncFault(spec.fault)
         self.fault.on_engine(engine)
         self._self_tested = False
+        self._synced = False  # an adapter (not the self-test's) was exported
 
     def bundles(self, request: SyncRequest, dtype: torch.dtype) -> list[SyncBundle]:
         """What the rollout workers load for this sync, in order (the self-test first, once per
@@ -78,12 +79,13 @@ class SyncSender:
                 out.append(self._bundle(version, dtype, self_test=True))
             self._self_tested = True
         out.append(self._bundle(version, dtype))
+        self._synced = True
         return out
 
     def _bundle(self, version: int, dtype: torch.dtype, self_test: bool = False) -> SyncBundle:
         payload, gather_s = export_adapter(self.engine, self.method, dtype, self.fault)
         expected = self.engine.lora_projections() if self.semantic else None
-        sent = None if self.fault.drops_send else _to_host(payload)
+        sent = None if self.fault.drops_send(self._synced and not self_test) else _to_host(payload)
         return SyncBundle(sent, expected, version, gather_s, self_test)
 
     def probe_logprobs(self, sequences: list[list[int]]) -> TrainerProbe:
