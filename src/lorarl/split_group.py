@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from lorarl.config.run import RunConfig
+from lorarl.errors import ConfigError
 from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
 from lorarl.specs import WorkerSpec
 from lorarl.split_workers import AWAKE_PLAN, RolloutWorker, TrainerWorker
@@ -37,7 +38,14 @@ class SplitWorkerGroup(WorkerGroup):
         # One node (lorarl.config.validate.check_placement): every actor in one bundle.
         bundle = {"GPU": actors, "CPU": actors} if device == "cuda" else {"CPU": actors}
         self.pg = placement_group([bundle], strategy="STRICT_PACK")
-        self._wait_for_placement(1, actors, bundle)
+        try:
+            self._wait_for_placement(1, actors, bundle)
+        except ConfigError:
+            raise ConfigError(
+                f"trainer.placement=split needs {n_train} training (trainer.n_gpus_per_node) + {n_rollout} rollout "
+                f"(rollout.n_workers) {'GPUs' if device == 'cuda' else 'CPUs'} on one node, and no node of the Ray "
+                "cluster has them; lower those, or set trainer.placement=colocated"
+            ) from None
         threads = max(1, int(_bundle_cpus(self.pg)[0]) // actors) if device == "cpu" else None
 
         def options(cls):

@@ -7,6 +7,8 @@
 
 With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
 the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
+With trainer.placement=split the generation runs on rollout workers of their own and the update on
+the training workers (lorarl.split_group), behind the same calls.
 
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
