@@ -268,6 +268,7 @@ def test_user_facing_key_spellings(hydra_compose):
             "load_format",
             "layered_summon",
             "enforce_eager",
+            "n_workers",
         ],
         "actor": [
             "optim",
@@ -296,6 +297,7 @@ def test_user_facing_key_spellings(hydra_compose):
             "n_gpus_per_node",
             "device",
             "seed",
+            "placement",
         ],
     }
     for group, keys in spelled.items():

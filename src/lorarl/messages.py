@@ -104,6 +104,16 @@ class WorkerSetup:
 
 
 @dataclass(frozen=True)
+class RolloutSetup:
+    """A rollout worker of split placement after setup: the dtype its vLLM holds LoRA in (the
+    trainer exports in it), a line on its sleep for the log, how long its engine took to start."""
+
+    dtype: object  # torch.dtype
+    sleep_plan: str
+    rollout_start_seconds: float
+
+
+@dataclass(frozen=True)
 class SyncRequest:
     """Bring every rollout up to date after the update of `step` (0: before training starts).
     `version`: the updates the synced adapter has had, which the rollouts it samples carry

@@ -144,9 +144,7 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpe
     return WorkerSpec(
         engine=engine_spec(run, device),
         rollout=RolloutSpec(
-            engine_args=tuple(
-                rollout_args(run, device, engine) for engine in range(run.world_size // r.tensor_model_parallel_size)
-            ),
+            engine_args=tuple(rollout_args(run, device, engine) for engine in range(rollout_engines(run))),
             tensor_parallel_size=r.tensor_model_parallel_size,
             n_gpus_per_node=t.n_gpus_per_node,
             adapter_transport=r.adapter_transport,
@@ -169,6 +167,14 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpe
         seed=t.seed,
         stall_report_s=t.stall_report_s,
     )
+
+
+def rollout_engines(run: RunConfig) -> int:
+    """vLLM engines of the run: one per rollout worker on split placement (rollout.n_workers, null:
+    1), else one per tensor-parallel group of training workers."""
+    if run.trainer.placement == "split":
+        return run.rollout.n_workers or 1
+    return run.world_size // run.rollout.tensor_model_parallel_size
 
 
 def engine_spec(run: RunConfig, device: str) -> EngineSpec:

@@ -7,6 +7,8 @@
 
 With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
 the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
+With trainer.placement=split the generation runs on rollout workers of their own and the update on
+the training workers (lorarl.split_group), behind the same calls.
 
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
@@ -119,7 +121,8 @@ class GRPOTrainer:
     def fit(self) -> float | None:
         from tqdm.auto import tqdm
 
-        from lorarl.worker_group import WorkerGroup, describe_placement
+        from lorarl.split_group import SplitWorkerGroup
+        from lorarl.worker_group import WorkerGroup
 
         tc = self.run.trainer
         say = console(tqdm.write)
@@ -128,9 +131,10 @@ class GRPOTrainer:
         )
         if self.dropped_prompts:
             say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
-        self.workers = WorkerGroup(self.run, self.worker_spec, self.device, run_dir=self.out_dir, say=say)
+        group = SplitWorkerGroup if tc.placement == "split" else WorkerGroup
+        self.workers = group(self.run, self.worker_spec, self.device, run_dir=self.out_dir, say=say)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
-        say(f"workers: {describe_placement(self.workers.placement)}")
+        say(f"workers: {self.workers.describe()}")
         node_ids = [where.node_id for where in self.workers.placement]
         placement = {keys.INIT_NUM_NODES.key: len(set(node_ids)), keys.INIT_WORKER_NODE_IDS.key: ",".join(node_ids)}
         for plan in dict.fromkeys([str(self.worker_spec.base_plan), *self.workers.sleep_plans]):

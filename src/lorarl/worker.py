@@ -118,6 +118,36 @@ class Worker:
         """Process group, rollout, then engine."""
         from lorarl.rollout.vllm import VLLMRollout
 
+        spec = self.spec
+        self._join_group(rendezvous)
+        # vLLM first: on a GPU it sizes its KV cache from the memory still free.
+        t0 = time.perf_counter()
+        self.rollout = VLLMRollout(
+            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
+            spec.rollout.engine_args[self.rollout_rank],
+            adapter_transport=spec.rollout.adapter_transport,
+            fingerprint_base=spec.rollout.fingerprint_base,
+            share_weights=spec.base_plan.shared,
+        )
+        t1 = time.perf_counter()
+        # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
+        base = engine_base_views(self.rollout) if spec.base_plan.shared else None
+        self.engine = make_engine(spec.engine, self.device, base=base)
+        t2 = time.perf_counter()
+        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
+        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
+        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
+        return WorkerSetup(
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            sleep_plan=str(self.sleep.plan),
+            rollout_sleeps=self.sleep.sleeps,
+            rollout_start_seconds=t1 - t0,
+            engine_build_seconds=t2 - t1,
+        )
+
+    def _join_group(self, rendezvous: Rendezvous) -> None:
+        """This worker's process group (rank, world size), bound to its device; RNGs seeded by rank."""
         master_addr, master_port = rendezvous.master_addr, rendezvous.master_port
         spec = self.spec
         tp = spec.rollout.tensor_parallel_size
@@ -151,31 +181,6 @@ class Worker:
             device_id=self.device if cuda else None,
         )
         seed_everything(spec.seed + self.rank)
-        # vLLM first: on a GPU it sizes its KV cache from the memory still free.
-        t0 = time.perf_counter()
-        self.rollout = VLLMRollout(
-            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
-            spec.rollout.engine_args[self.rollout_rank],
-            adapter_transport=spec.rollout.adapter_transport,
-            fingerprint_base=spec.rollout.fingerprint_base,
-            share_weights=spec.base_plan.shared,
-        )
-        t1 = time.perf_counter()
-        # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
-        base = engine_base_views(self.rollout) if spec.base_plan.shared else None
-        self.engine = make_engine(spec.engine, self.device, base=base)
-        t2 = time.perf_counter()
-        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
-        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
-        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
-        return WorkerSetup(
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            sleep_plan=str(self.sleep.plan),
-            rollout_sleeps=self.sleep.sleeps,
-            rollout_start_seconds=t1 - t0,
-            engine_build_seconds=t2 - t1,
-        )
 
     @property
     def rollout_rank(self) -> int:

@@ -135,7 +135,7 @@ class WorkerGroup:
                 # then fails on num_cpus; joining a cluster is asked for with RAY_ADDRESS.
                 ray.init(
                     address="local",
-                    num_cpus=max(os.cpu_count() or 1, self.world_size),
+                    num_cpus=max(os.cpu_count() or 1, self.actors_of(run)),
                     include_dashboard=False,
                     logging_level="ERROR",
                     configure_logging=True,
@@ -155,6 +155,15 @@ class WorkerGroup:
             # group or Ray processes behind.
             self.shutdown()
             raise
+
+    @staticmethod
+    def actors_of(run: RunConfig) -> int:
+        """The Ray actors this group places (one CPU each)."""
+        return run.world_size
+
+    def describe(self) -> str:
+        """One line for the log: where the workers run."""
+        return describe_placement(self.placement)
 
     def _start(self, run: RunConfig, spec: WorkerSpec, device: str) -> None:
         import ray

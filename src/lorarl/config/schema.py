@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 from lorarl.config.algorithm import AlgorithmConfig
 from lorarl.errors import ConfigError, check, one_of
-from lorarl.sync.faults import FAULTS
+from lorarl.sync.faults import FAULTS, SEND_FAULTS
 
 HF_LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
@@ -204,6 +204,10 @@ class RolloutConfig:
     # vLLM engine arguments by vLLM's names (vllm.EngineArgs), passed through as given; the
     # ones lorarl sets from its own keys are refused (lorarl.rollout.vllm_engine_args).
     engine_kwargs: dict[str, Any] = MISSING
+    # trainer.placement=split: how many rollout workers (one vLLM engine and one device each) sit
+    # beside the trainer's; null there means 1. Colocated, every trainer worker holds the rollout, so
+    # it must stay null.
+    n_workers: int | None = MISSING
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def check(self) -> None:
@@ -226,6 +230,7 @@ class RolloutConfig:
         )
         tp = self.tensor_model_parallel_size
         check(tp >= 1, f"rollout.tensor_model_parallel_size={tp} must be >= 1")
+        check(self.n_workers is None or self.n_workers >= 1, f"rollout.n_workers={self.n_workers} must be >= 1 or null")
         check(
             not (self.layered_summon and self.load_format == "dummy"),
             "rollout.layered_summon=true exports only the adapter, so vLLM must load the base from disk: "
@@ -345,6 +350,10 @@ class TrainerConfig:
     # update runs; the adapter of step k is synced when both end. Larger values would need vLLM to
     # hold one adapter per version in flight, so they are refused.
     off_policy_steps: int = MISSING
+    # colocated: every worker holds the training engine and a vLLM engine on one device. split: the
+    # training workers (trainer.n_gpus_per_node devices) and rollout.n_workers vLLM workers run on
+    # devices of their own; the adapter reaches them through Ray's object store after each update.
+    placement: str = MISSING
     # After each sync: the adapter vLLM holds must equal the one sent (exact fingerprint), each
     # module's delta in vLLM must be the trainer's (lorarl.sync.semantic), and trainer and vLLM
     # log-probs on fixed probe sequences must agree (lorarl.sync.probe).
@@ -386,7 +395,8 @@ class TrainerConfig:
             self.check_sync_probe_freq >= 1,
             f"trainer.check_sync_probe_freq={self.check_sync_probe_freq} must be >= 1",
         )
-        one_of("trainer.sync_fault", self.sync_fault, (None, *FAULTS))
+        one_of("trainer.sync_fault", self.sync_fault, (None, *FAULTS, *SEND_FAULTS))
+        one_of("trainer.placement", self.placement, ("colocated", "split"))
         check(
             self.off_policy_steps in (0, 1),
             f"trainer.off_policy_steps={self.off_policy_steps}: use 0 (on-policy) or 1 (the next batch is generated "

@@ -17,6 +17,7 @@ from lorarl.config.backends import MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
 from lorarl.errors import ConfigError, check
 from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
+from lorarl.sync.faults import SEND_FAULTS
 
 
 def check_known_keys(config: Any) -> None:
@@ -107,9 +108,51 @@ def validate(run: RunConfig) -> None:
     )
     if isinstance(run.backend, MegatronBackendConfig):
         check_megatron(run)
+    check_placement(run)
     from lorarl.engines.shared_base import plan_base
 
     plan_base(run)  # backend.share_base=true where the config alone rules it out
+
+
+def check_placement(run: RunConfig) -> None:
+    """trainer.placement=split: training workers and vLLM workers on devices of their own, the
+    adapter sent through Ray (lorarl.split_group). What it cannot do soundly is refused by key."""
+    t, r = run.trainer, run.rollout
+    if t.placement != "split":
+        check(
+            r.n_workers is None,
+            f"rollout.n_workers={r.n_workers} places vLLM workers of their own, but trainer.placement=colocated puts "
+            "vLLM in every training worker; set trainer.placement=split or rollout.n_workers=null",
+        )
+        check(
+            t.sync_fault not in SEND_FAULTS,
+            f"trainer.sync_fault={t.sync_fault} acts on the send to rollout workers of their own; it needs "
+            "trainer.placement=split",
+        )
+        return
+    split = "trainer.placement=split"
+    check(
+        not isinstance(run.backend, MegatronBackendConfig),
+        f"{split} runs with +backend=fsdp only; use trainer.placement=colocated with Megatron",
+    )
+    check(
+        not run.model.lora.merge,
+        f"{split} sends the adapter; model.lora.merge=true would send merged full weights every step; set "
+        "model.lora.merge=false or trainer.placement=colocated",
+    )
+    check(
+        r.tensor_model_parallel_size == 1,
+        f"{split} runs one vLLM engine per rollout worker; set rollout.tensor_model_parallel_size=1",
+    )
+    check(t.nnodes == 1, f"{split} places its workers on one node; set trainer.nnodes=1")
+    check(
+        r.load_format != "dummy",
+        f"{split}: vLLM must read the base from disk (the trainer sends only the adapter); set rollout.load_format=auto",
+    )
+    check(
+        not r.free_cache_engine,
+        f"{split}: vLLM has its own device and never sleeps; set rollout.free_cache_engine=null or false",
+    )
 
 
 def check_batch_split(run: RunConfig) -> None:

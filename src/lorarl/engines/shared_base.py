@@ -36,6 +36,8 @@ def _why_not(run, device_type: str | None, engine_dtype: str | None, moe: bool |
     from lorarl.config.backends import FSDPBackendConfig
 
     b, r, m = run.backend, run.rollout, run.model
+    if run.trainer.placement == "split":
+        return "trainer.placement=split puts vLLM on devices of its own, so the trainer cannot view its weights"
     if not isinstance(b, FSDPBackendConfig):
         return "the Megatron backend holds its own copy"
     if m.lora.merge:

@@ -18,6 +18,12 @@ In merged mode (`model.lora.merge=true`) the same faults act on the merged weigh
     base_as_lora    base weights sent as LoRA tensors (the original seed bug)
     qk_swap         q_proj and k_proj exchanged in the first layer (A always, B where shapes match)
     trainer_scaling the trainer's scaling of its first LoRA module x 1.5 after the adapter is made
+
+Two faults act on the send between processes instead, so they need trainer.placement=split (the
+trainer's expected side of the checks still arrives, as a lost transfer would leave it):
+
+    drop_send       the adapter never reaches the rollout workers
+    stale_send      only the first sync's adapter does: the rollout keeps serving it
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ FAULTS = (
     "qk_swap",
     "trainer_scaling",
 )
+SEND_FAULTS = ("drop_send", "stale_send")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -50,10 +57,17 @@ class SyncFault:
     """The chosen fault, with what it keeps between syncs (stale_layer's previous tensors)."""
 
     def __init__(self, name: str | None):
-        if name is not None and name not in FAULTS:
-            raise ConfigError(f"trainer.sync_fault={name!r} is not a fault; use null or one of: {', '.join(FAULTS)}")
+        if name is not None and name not in FAULTS + SEND_FAULTS:
+            raise ConfigError(
+                f"trainer.sync_fault={name!r} is not a fault; use null or one of: {', '.join(FAULTS + SEND_FAULTS)}"
+            )
         self.name = name
         self._previous: dict[str, Tensor] = {}
+
+    def drops_send(self, synced_before: bool) -> bool:
+        """Whether this adapter is kept from the rollout workers (split placement); `synced_before`:
+        an adapter (not the first sync's self-test) was sent already."""
+        return self.name == "drop_send" or (self.name == "stale_send" and synced_before)
 
     def on_engine(self, engine) -> None:
         """Faults in the trainer itself, applied once after the engine is made."""
@@ -66,7 +80,7 @@ class SyncFault:
 
     def corrupt(self, payload: WeightPayload, engine) -> WeightPayload:
         """The adapter payload as the fault would have exported it (unchanged when off)."""
-        if self.name in (None, "trainer_scaling"):
+        if self.name in (None, "trainer_scaling", *SEND_FAULTS):
             return payload
         tensors = dict(payload.tensors)
         config = dict(payload.adapter_config)
@@ -85,7 +99,7 @@ class SyncFault:
 
     def corrupt_merged(self, payload: WeightPayload, engine) -> WeightPayload:
         """The merged (base-kind) payload as the fault would have exported it (unchanged when off)."""
-        if self.name in (None, "trainer_scaling"):
+        if self.name in (None, "trainer_scaling", *SEND_FAULTS):
             return payload
         return WeightPayload.base(corrupt_merged(self.name, dict(payload.tensors), engine, self._previous))
 

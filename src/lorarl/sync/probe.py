@@ -122,11 +122,22 @@ def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
     """Trainer (adapter on), reference (adapter off) and vLLM log-probs of every probe token
     after the first. `engine` is a training engine (log_probs with reference=), `rollout` a
     VLLMRollout."""
+    trainer, reference = trainer_logprobs(engine, sequences)
+    return read_probe(trainer, rollout_logprobs(rollout, sequences), reference)
+
+
+def trainer_logprobs(engine, sequences: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """The probe's trainer side: (adapter on, adapter off) log-probs of every probe token after
+    the first, flat, on the host. Collective over the engine's ranks."""
     from lorarl.algorithms.batch import build_batch
 
     batch = build_batch([s[:1] for s in sequences], [s[1:] for s in sequences], 0)
     mask = batch.response_mask.bool()
     trainer = engine.log_probs(batch, temperature=1.0).float().cpu()[mask]
     reference = engine.log_probs(batch, reference=True, temperature=1.0).float().cpu()[mask]
-    vllm = torch.tensor([x for row in rollout.prompt_logprobs_many(sequences, 1) for x in row], dtype=torch.float32)
-    return read_probe(trainer, vllm, reference)
+    return trainer, reference
+
+
+def rollout_logprobs(rollout, sequences: list[list[int]]) -> Tensor:
+    """The probe's vLLM side: the same tokens' log-probs from the engine serving the adapter."""
+    return torch.tensor([x for row in rollout.prompt_logprobs_many(sequences, 1) for x in row], dtype=torch.float32)

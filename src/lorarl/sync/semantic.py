@@ -371,7 +371,19 @@ def verify(engine, rollout, rank: int | None = None) -> float:
     """The semantic check after an adapter sync: 1.0, or a SyncError naming the first module whose
     delta in vLLM is not the trainer's. `engine` is a training engine (`lora_projections`,
     collective), `rollout` a VLLMRollout holding the adapter."""
-    expected = engine.lora_projections()
+    return verify_projections(engine.lora_projections(), rollout, rank)
+
+
+def verify_projections(expected: dict[str, Projection], rollout, rank: int | None = None) -> float:
+    """The semantic check's comparison, in the process that holds `rollout`: `expected` is the
+    trainer's side (`lora_projections` of its engine, computed where the engine lives and sent
+    over on split placement)."""
+    if not rollout.has_adapter:
+        who = "" if rank is None else f"rank {rank}: "
+        raise SyncError(
+            f"{who}vLLM holds no adapter after the sync, while the trainer's has {len(expected)} LoRA modules; "
+            "the adapter never reached this rollout"
+        )
     layout = rollout.adapter_layout()
     # vLLM's own parser names the slot each HF module's LoRA lands in.
     slot_of = {path: layout.module_of(f"{PEFT_PREFIX}{path}.lora_A.weight")[0] for path in expected}

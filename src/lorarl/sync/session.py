@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,20 +103,10 @@ class SyncSession:
         return checks
 
     def _export_adapter(self):
-        # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
-        payload, gather_s = self.engine.export(PayloadKind.ADAPTER, method=self.method, dtype=self.rollout.torch_dtype)
-        return self.fault.corrupt(payload, self.engine), gather_s
+        return export_adapter(self.engine, self.method, self.rollout.torch_dtype, self.fault)
 
     def _check_adapter(self, payload) -> dict:
-        """Transport (vLLM holds the bytes sent), then meaning (those bytes apply the trainer's deltas)."""
-        t0 = time.perf_counter()
-        checks = {"adapter_match": transport.verify_adapter(self.rollout, payload, self.rank)}
-        t1 = time.perf_counter()
-        checks["adapter_check_seconds"] = t1 - t0
-        if self.semantic:
-            checks["adapter_meaning"] = semantic.verify(self.engine, self.rollout, self.rank)
-            checks["meaning_check_seconds"] = time.perf_counter() - t1
-        return checks
+        return check_adapter(self.rollout, payload, self.engine.lora_projections if self.semantic else None, self.rank)
 
     def _self_test(self) -> None:
         """Once per process, before the first adapter or merged sync: the whole export -> load -> checks on
@@ -166,3 +157,27 @@ class SyncSession:
         reading = probe.measure_probe(self.engine, self.rollout, self.probe_seqs)
         probe.judge_probe(reading, self.probe_bounds, rank=self.rank)
         return reading
+
+
+# The two halves of an adapter sync, apart so that split placement (lorarl.sync.split) runs each in
+# the process that holds its side: the export where the training engine is, the checks where vLLM is.
+
+
+def export_adapter(engine: Engine, method: str | None, dtype: torch.dtype, fault: SyncFault):
+    """(the adapter payload, gather seconds), with the test fault applied. Collective."""
+    # In the rollout's dtype: vLLM casts to it anyway, and half the bytes cross over.
+    payload, gather_s = engine.export(PayloadKind.ADAPTER, method=method, dtype=dtype)
+    return fault.corrupt(payload, engine), gather_s
+
+
+def check_adapter(rollout, payload, expected: Callable[[], dict] | None, rank: int | None) -> dict:
+    """Transport (vLLM holds the bytes sent), then meaning (those bytes apply the trainer's deltas,
+    `expected()` being the trainer's projections; None: no semantic check)."""
+    t0 = time.perf_counter()
+    checks = {"adapter_match": transport.verify_adapter(rollout, payload, rank)}
+    t1 = time.perf_counter()
+    checks["adapter_check_seconds"] = t1 - t0
+    if expected is not None:
+        checks["adapter_meaning"] = semantic.verify_projections(expected(), rollout, rank)
+        checks["meaning_check_seconds"] = time.perf_counter() - t1
+    return checks
