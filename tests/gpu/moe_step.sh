@@ -8,15 +8,15 @@
 #   TAG=expert_swap bash tests/gpu/moe_step.sh +trainer.sync_fault=expert_swap   an injected fault
 # Extra Hydra overrides pass through (after the script's own). TAG names the outputs.
 # Off the GPU (the same script at CPU size, merged sync, 12 steps): SHAPE=tiny bash tests/gpu/moe_step.sh
-# Layers: LAYERS=32 of the real 48 by default. All 48 do not fit one H200 and its 64 GiB disk: the
-# bf16 model file is 61 GB, and trainer + vLLM each hold 1.16 GiB per layer plus 1.2 GiB of
-# embeddings (113 GiB for two 48-layer copies) beside the LoRA's fp32 weights, gradients and Adam
-# state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters) and the update's activations. 32 layers:
-# a 41 GB file, 2 x 38.3 GiB of weights, ~35 GiB left for the update beside vLLM at
-# gpu_memory_utilization 0.4. LAYERS=40 GPU_UTIL=0.42 is the estimate's edge (a 51 GB file, ~25 GiB
-# for the update), not tried.
-# If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 32
-#   --device cuda --out $LORARL_CACHE/qwen3_30b_a3b_l32   (it is reused while the machine stays up).
+# Layers: all 48 by default, with one copy of the base (backend.share_base=auto: the trainer's
+# weights are views of vLLM's). The bf16 model is 61 GB (57 GiB), so it is written to MODEL_ROOT
+# (default /dev/shm, 128 GiB on the H200 machine; its disk has 62 GB free) and vLLM holds it once at
+# GPU_UTIL=0.5 (69.5 GiB: the weights plus ~10 GiB of KV cache and graphs), leaving ~65 GiB for the
+# LoRA state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters in fp32 with gradients and Adam)
+# and the update's activations. Not yet run at 48 layers. With two copies (backend.share_base=false)
+# use LAYERS=32 GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update).
+# If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 48
+#   --device cuda --out /dev/shm/qwen3_30b_a3b_l48   (it is reused while the machine stays up).
 # Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
 # mean/std, grad_norm, sync checks, the probe's three numbers, timings; then the verdict: reward
 # rose, every sync check passed, adapter effect >= 10x the probe's noise; tests/gpu/shape_summary.py).
@@ -33,11 +33,11 @@ if [ "${SHAPE:-gpu}" = tiny ]; then
         actor.ppo_micro_batch_size_per_gpu=64 actor.use_dynamic_bsz=false model.enable_gradient_checkpointing=false
         data.max_response_length=16 actor.optim.lr=${LR:-2e-3} trainer.total_steps=${STEPS:-12})
 else
-  M=$LORARL_CACHE/qwen3_30b_a3b_l${LAYERS:-32}
-  $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-32}" --device cuda --out "$M" || exit 1
+  M=${MODEL_ROOT:-/dev/shm}/qwen3_30b_a3b_l${LAYERS:-48}
+  $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-48}" --device cuda --out "$M" || exit 1
   # lr 1e-4: on a random Qwen3-0.6B shape (H200, tests/gpu_logs/grpo_loop run6) it moved the probe's
   # adapter effect from 0.026 to 0.13 in 4 steps against 0.007 of trainer-vLLM noise.
-  ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=${GPU_UTIL:-0.4}
+  ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=${GPU_UTIL:-0.5}
         data.train_batch_size=${PROMPTS:-16} rollout.n=8 actor.ppo_mini_batch_size=${PROMPTS:-16}
         data.max_response_length=128 actor.optim.lr=${LR:-1e-4} trainer.total_steps=${STEPS:-20})
 fi
