@@ -82,6 +82,17 @@ def run(cfg: DictConfig) -> float | None:
         trainer.close()
 
 
+def startup_lines(first_sync: SyncReport, startup: dict[str, float]) -> list[str]:
+    """The console's two lines about the first sync and where the start-up time went."""
+    return [
+        f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
+        f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s",
+        f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, "
+        f"workers placed {startup['timing/workers_start']:.1f} s, vLLM engine {startup['timing/rollout_start']:.1f} s, "
+        f"training engine {startup['timing/engine_build']:.1f} s",
+    ]
+
+
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
         from lorarl.prepare import prepare
@@ -173,14 +184,8 @@ class GRPOTrainer:
         pending = startup_row if 0 < self.step < self.total_steps else {}
         if not pending:
             self.log(startup_row, step=self.step)
-        say(
-            f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
-            f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s"
-        )
-        say(
-            f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, workers placed {startup['timing/workers_start']:.1f} s, "
-            f"vLLM engine {startup['timing/rollout_start']:.1f} s, training engine {startup['timing/engine_build']:.1f} s"
-        )
+        for line in startup_lines(first_sync, startup):
+            say(line)
         if tc.val_before_train and self.val_items and not resumed:
             self.log(self.validate(), step=0)
         last_reward = None
