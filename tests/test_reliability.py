@@ -241,6 +241,17 @@ def test_architecture_vllm_cannot_serve_with_lora(cache, tmp_path, monkeypatch):
     assert {k.split("/", 1)[1]: v for k, v in known.items()}["GPT2LMHeadModel"] is False
 
 
+def test_a_resume_path_that_is_no_checkpoint_fails_before_the_model_is_read(cache, tmp_path, monkeypatch):
+    """trainer.resume_mode naming a folder that is not a complete checkpoint is one of the start-up
+    checks: it fails before the model is looked at (the missing model path is not what it reports)."""
+    half = tmp_path / "ckpt" / "global_step_4"
+    half.mkdir(parents=True)  # a folder without manifest.json: a save that never finished
+    err = trainer_error(
+        cache, monkeypatch, tmp_path / "run", f"trainer.resume_mode={half}", f"model.path={tmp_path / 'no_model'}"
+    )
+    assert str(err).startswith(f"trainer.resume_mode='{half}': not a complete checkpoint folder")
+
+
 def test_vllm_engine_argument_it_does_not_have_or_lorarl_sets(cache, tmp_path, monkeypatch):
     """rollout.engine_kwargs goes to vLLM as given: a name the installed vLLM lacks fails before
     Ray starts (its names read once per vLLM version), and so does one lorarl sets itself."""

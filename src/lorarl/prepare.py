@@ -48,12 +48,15 @@ class Prepared:
     val_items: list  # validation prompts (empty without validation)
     dropped_prompts: int  # training prompts longer than data.max_prompt_length
     worker_spec: WorkerSpec
+    checkpoints: Any  # lorarl.checkpoint.CheckpointManager of the run's checkpoint folder
+    resume_from: Path | None  # the checkpoint this run resumes from (trainer.resume_mode)
     seconds: float  # how long the checks took (init/timing/prepare)
 
 
-def prepare(run: RunConfig) -> Prepared:
+def prepare(run: RunConfig, out_dir: Path) -> Prepared:
     """Check everything the driver can check, in the order a user would fix it; build the specs.
-    Expands paths in `run` (model.path, data files) in place."""
+    Expands paths in `run` (model.path, data files) in place. `out_dir`: the run's folder, which a
+    relative trainer.default_local_dir is under."""
     from lorarl.data.batches import prompt_batches
     from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
     from lorarl.rewards import check_items
@@ -68,6 +71,7 @@ def prepare(run: RunConfig) -> Prepared:
     prepare_model(run)
     prepare_data(run)
     check_loggers(run.trainer.logger)
+    checkpoints, resume_from = prepare_checkpoints(run, out_dir)
     # Model mistakes fail here in one line, before Ray starts and a worker loads weights.
     hf_config = check_model(run)
     check_engine_kwargs(run)
@@ -79,7 +83,30 @@ def prepare(run: RunConfig) -> Prepared:
     loader, val_items, dropped = prompt_batches(run.data, tokenizer, run.trainer.seed, validation)
     for items in (loader.items, val_items):
         check_items(items, run.data.reward_fn)  # every prompt can be scored, before any rollout
-    return Prepared(device, hf_config, tokenizer, loader, val_items, dropped, spec, time.perf_counter() - t0)
+    return Prepared(
+        device,
+        hf_config,
+        tokenizer,
+        loader,
+        val_items,
+        dropped,
+        spec,
+        checkpoints,
+        resume_from,
+        time.perf_counter() - t0,
+    )
+
+
+def prepare_checkpoints(run: RunConfig, out_dir: Path):
+    """The run's CheckpointManager, with the partial saves a killed run left removed, and the
+    checkpoint trainer.resume_mode names (None: a fresh start); a resume_mode that is not a
+    complete checkpoint fails here, before anything loads."""
+    from lorarl.checkpoint import CheckpointManager, resolve_resume
+
+    root = Path(os.path.expanduser(run.trainer.default_local_dir))
+    checkpoints = CheckpointManager(root if root.is_absolute() else Path(out_dir) / root, run.trainer.max_ckpt_to_keep)
+    checkpoints.clean_partial()
+    return checkpoints, resolve_resume(run.trainer.resume_mode, checkpoints)
 
 
 def resolve_device(requested: str) -> str:

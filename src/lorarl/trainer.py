@@ -16,7 +16,6 @@ its GRPO group, stay on one worker.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lorarl import metrics as keys
 from lorarl.algorithms import advantages
-from lorarl.checkpoint import CheckpointManager, read_trainer_state, resolve_resume, write_trainer_state
+from lorarl.checkpoint import read_trainer_state, write_trainer_state
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
 from lorarl.errors import LorarlError
@@ -102,7 +101,7 @@ class GRPOTrainer:
         self.workers = None
         self.tracker = None
         # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
-        prepared = prepare(run)
+        prepared = prepare(run, self.out_dir)
         self.device = prepared.device
         self.worker_spec = prepared.worker_spec
         self.tokenizer = prepared.tokenizer
@@ -114,12 +113,7 @@ class GRPOTrainer:
         self.total_steps = steps_for(run, self.loader.steps_per_epoch)
         self.step = 0
         self.sampling = sampling_of(run)
-        ckpt_root = Path(os.path.expanduser(run.trainer.default_local_dir))
-        self.ckpt = CheckpointManager(
-            ckpt_root if ckpt_root.is_absolute() else self.out_dir / ckpt_root, run.trainer.max_ckpt_to_keep
-        )
-        self.ckpt.clean_partial()
-        self.resume_from = resolve_resume(run.trainer.resume_mode, self.ckpt)
+        self.ckpt, self.resume_from = prepared.checkpoints, prepared.resume_from
         self.prepare_seconds = prepared.seconds
         # trainer.off_policy_steps=1: the batch generated during the last update, and whether the
         # workers can overlap the two (decided in fit, from their sleep plans).
