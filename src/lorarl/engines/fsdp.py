@@ -47,9 +47,26 @@ PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def peft_lora_config(lora):
+    """PEFT's LoraConfig for model.lora (lorarl.config's LoRA group): what the trainer trains, and
+    what the start-up plan counts (lorarl.engines.shared_base.layout_bytes)."""
+    from peft import LoraConfig
+
+    targets = lora.target_modules
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+        target_parameters=list(lora.target_parameters) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
 def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = None):
     """HF causal LM with a PEFT LoRA adapter, ready to shard: loaded on CPU, or over `base`'s views."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     m = spec.model
@@ -76,17 +93,8 @@ def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = Non
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     targets = m.lora.target_modules
-    lora_cfg = LoraConfig(
-        r=m.lora.rank,
-        lora_alpha=m.lora.alpha,
-        lora_dropout=m.lora.dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-        target_parameters=list(m.lora.target_parameters) or None,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
     try:
-        peft_model = get_peft_model(model, lora_cfg)
+        peft_model = get_peft_model(model, peft_lora_config(m.lora))
     except ValueError as err:
         raise ModelError(
             f"model.lora.target_modules={list(targets)} / target_parameters={list(m.lora.target_parameters)} "

@@ -121,23 +121,16 @@ def layout_bytes(run, config) -> LayoutBytes:
     from pathlib import Path
 
     from accelerate import init_empty_weights
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from lorarl.engines.fsdp import peft_lora_config
 
     m = run.model
     weight_bytes = sum(f.stat().st_size for f in Path(m.path).glob("*.safetensors"))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
-    targets = m.lora.target_modules
-    peft_model = get_peft_model(
-        model,
-        LoraConfig(
-            r=m.lora.rank,
-            lora_alpha=m.lora.alpha,
-            target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
-            target_parameters=list(m.lora.target_parameters) or None,
-        ),
-    )
+    peft_model = get_peft_model(model, peft_lora_config(m.lora))
     lora = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     return LayoutBytes(run.world_size, weight_bytes, lora)
 
