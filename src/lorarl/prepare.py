@@ -84,16 +84,16 @@ def prepare(run: RunConfig, out_dir: Path) -> Prepared:
     for items in (loader.items, val_items):
         check_items(items, run.data.reward_fn)  # every prompt can be scored, before any rollout
     return Prepared(
-        device,
-        hf_config,
-        tokenizer,
-        loader,
-        val_items,
-        dropped,
-        spec,
-        checkpoints,
-        resume_from,
-        time.perf_counter() - t0,
+        device=device,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        loader=loader,
+        val_items=val_items,
+        dropped_prompts=dropped,
+        worker_spec=spec,
+        checkpoints=checkpoints,
+        resume_from=resume_from,
+        seconds=time.perf_counter() - t0,
     )
 
 
