@@ -293,7 +293,7 @@ def test_data_parallel_plan_says_what_each_layout_needs_per_gpu(tiny_model_path)
     each of the seven projections of every layer) and the bytes against the checkpoint's files."""
     from transformers import AutoConfig
 
-    from lorarl.engines.shared_base import LayoutBytes, layout_bytes, plan_base
+    from lorarl.engines.shared_base import LayoutBytes, layout_bytes, plan_for_run
 
     run = compose_run(f"model.path={tiny_model_path}", "trainer.n_gpus_per_node=2")
     c = AutoConfig.from_pretrained(tiny_model_path)
@@ -303,7 +303,7 @@ def test_data_parallel_plan_says_what_each_layout_needs_per_gpu(tiny_model_path)
     sizes = layout_bytes(run, c)
     assert sizes.lora_params == run.model.lora.rank * per_layer * c.num_hidden_layers
     assert sizes.weight_bytes == sum(f.stat().st_size for f in Path(tiny_model_path).glob("*.safetensors"))
-    plan = plan_base(run, "cpu", "float32", False, sizes)
+    plan = plan_for_run(run, "cpu", c)
     assert plan.shared and str(plan).startswith("base: one copy") and "GiB shared, against" in str(plan)
     eight = LayoutBytes(world_size=8, weight_bytes=16 << 30, lora_params=1 << 30)
     assert (eight.shared, eight.sharded) == ((16 << 30) + (2 << 30), (18 << 30) + (2 << 30))

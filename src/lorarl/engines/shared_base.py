@@ -93,15 +93,10 @@ class LayoutBytes:
 
 
 def plan_base(
-    run,
-    device_type: str | None = None,
-    engine_dtype: str | None = None,
-    moe: bool | None = None,
-    sizes: LayoutBytes | None = None,
+    run, device_type: str | None = None, engine_dtype: str | None = None, moe: bool | None = None
 ) -> BasePlan:
     """Whether the trainer shares vLLM's base. `true` where it cannot apply is a ConfigError
-    naming the key; `auto` there falls back to two copies and the plan says why. With `sizes`
-    (data parallel over several GPUs) the plan also says what each layout needs per GPU."""
+    naming the key; `auto` there falls back to two copies and the plan says why."""
     setting = getattr(run.backend, "share_base", False)
     why = _why_not(run, device_type, engine_dtype, moe)
     if setting is False:
@@ -110,8 +105,7 @@ def plan_base(
         if setting is True:
             raise ConfigError(f"backend.share_base=true cannot apply: {why}; set backend.share_base=auto or false")
         return BasePlan(False, f"{why}; backend.share_base=auto")
-    named = f"backend.share_base={'true' if setting is True else 'auto'}"
-    return BasePlan(True, f"{sizes}; {named}" if sizes is not None and sizes.world_size > 1 else named)
+    return BasePlan(True, f"backend.share_base={'true' if setting is True else 'auto'}")
 
 
 def layout_bytes(run, config) -> LayoutBytes:
@@ -202,5 +196,7 @@ def plan_for_run(run, device_type: str, config=None) -> BasePlan:
         saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype = str(saved).removeprefix("torch.") if saved is not None else "unknown"
     moe = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0
-    sizes = layout_bytes(run, config) if run.world_size > 1 and _why_not(run, device_type, dtype, moe) is None else None
-    return plan_base(run, device_type, dtype, moe, sizes)
+    plan = plan_base(run, device_type, dtype, moe)
+    if plan.shared and run.world_size > 1:  # data parallel: what each layout needs per GPU, said once
+        return BasePlan(True, f"{layout_bytes(run, config)}; {plan.reason}")
+    return plan
