@@ -201,6 +201,57 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
         assert "\n" not in str(err.value)
 
 
+def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(tiny_moe_path: Path, monkeypatch):
+    """The payload keeps PEFT's stacks (two pairs per layer, not 6 x E); after vLLM's loader has
+    placed one adapter, the next is written into its slots, and leaves what the loader leaves. A
+    writer that exchanges gate and up in one layer fails its check against the loader, and the
+    rollout keeps the loader."""
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.rollout import vllm_engine_args, vllm_lora_write
+    from lorarl.rollout.vllm import VLLMRollout
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe_path)
+    model = lora_moe(base, rank=2, alpha=5, seed=3)
+    wrappers = expert_wrappers(model)
+    config = {"r": 2, "lora_alpha": 5, "target_modules": ATTENTION, "target_parameters": list(QWEN3_MOE_EXPERT_PARAMETERS)}
+
+    def payload(seed: int) -> WeightPayload:
+        gen = torch.Generator().manual_seed(seed)
+        state = get_peft_model_state_dict(model)
+        return WeightPayload.adapter({k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.items()}, config, wrappers)
+
+    hf = json.loads((tiny_moe_path / "config.json").read_text())
+    first, second, third = payload(1), payload(2), payload(3)
+    assert len(first.tensors) == hf["num_hidden_layers"] * (2 * len(ATTENTION) + 4)
+    args = vllm_engine_args.build(tiny_moe_path, lora_rank=2, max_model_len=128, seed=0, on_cpu=True)
+    with VLLMRollout(args, adapter_transport="memory") as rollout:
+        rollout.apply(first)
+        assert rollout._writes_in_place is None  # the first adapter goes through vLLM's loader
+        assert transport.verify_adapter(rollout, first) == 1.0
+        rollout.apply(second)
+        assert rollout._writes_in_place is True
+        written = rollout.held_adapter_slots()
+        assert transport.verify_adapter(rollout, second) == 1.0
+        rollout.load_through_vllm(dict(second.tensors), second.adapter_config, wrappers)
+        assert rollout.held_adapter_slots() == written
+
+        real = vllm_lora_write.slot_sources
+
+        def gate_up_exchanged(*a):
+            sources = real(*a)
+            gate, up = (f"model.layers.1.mlp.experts.0.{p}" for p in ("gate_proj", "up_proj"))
+            sources[gate], sources[up] = sources[up], sources[gate]
+            return sources
+
+        monkeypatch.setattr(vllm_lora_write, "slot_sources", gate_up_exchanged)
+        rollout._writes_in_place = None  # as in a new process
+        rollout.apply(third)
+        assert rollout._writes_in_place is False
+        assert transport.verify_adapter(rollout, third) == 1.0
+
+
 @pytest.mark.slow
 def test_tiny_moe_trains_with_merged_sync_checked_every_step(tiny_moe_path: Path, tmp_path: Path):
     """`python -m recipes.grpo +backend=fsdp model=qwen3_moe_tiny` at a shorter length: every

@@ -106,6 +106,9 @@ def test_correct_export_passes_fresh_and_moved(worker):
     assert out.adapter_match == 1.0 and out.adapter_meaning == 1.0
     # The self-test put the trained factors back bit for bit: B is still exactly zero.
     assert all(not v.any() for k, v in worker.engine.lora_state().items() if "lora_B" in k)
+    # The self-test's adapter went through vLLM's loader; the trained one was written in place,
+    # after the writer was shown to leave what that loader leaves (lorarl.rollout.vllm_lora_write).
+    assert worker.rollout._writes_in_place is True
     move_adapter(worker, seed=1)
     out = worker.sync(SyncRequest(step=1, last=False))
     assert out.adapter_meaning == 1.0 and out.meaning_check_seconds > 0

@@ -38,7 +38,7 @@ from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.specs import EngineSpec
-from lorarl.sync.experts import expert_delta, expert_wrappers, to_vllm_layout
+from lorarl.sync.experts import expert_delta, expert_wrappers
 from lorarl.sync.payload import PayloadKind, WeightPayload
 from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
 from lorarl.sync.semantic_merged import BaseProjections, base_projections, trainer_bases
@@ -317,10 +317,10 @@ class FSDPEngine:
                 "layered": self._adapter_layered,
             }
             tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
-            if self.expert_wrappers:
-                # vLLM reads expert LoRA per expert (lorarl.sync.experts); checkpoints keep PEFT's stacks.
-                tensors = to_vllm_layout(tensors, self.expert_wrappers)
-            return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
+            # Experts stay in PEFT's stacks (one pair per fused parameter, not 6 x E tensors a layer):
+            # the rollout writes them into vLLM's per-expert slots (lorarl.sync.experts).
+            payload = WeightPayload.adapter(tensors, self.adapter_config(), self.expert_wrappers)
+            return payload, time.perf_counter() - t0
         merge = self.spec.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
 

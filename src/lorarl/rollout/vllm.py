@@ -26,11 +26,11 @@ from torch import Tensor
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
 from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_base_views, vllm_worker
+from lorarl.rollout import engine_process, vllm_base_views, vllm_lora_write, vllm_worker
 from lorarl.rollout.vllm_engine_args import LLMArgs
 from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
-from lorarl.sync.experts import is_moe_checkpoint
+from lorarl.sync.experts import is_moe_checkpoint, vllm_form
 from lorarl.sync.fingerprint import fingerprint_sums
 from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync.transport import AdapterLayout
@@ -78,7 +78,11 @@ class VLLMRollout(FingerprintReads):
         self.base_loaded = args.load_format != "dummy"
         # The trainer computes with this engine's weights: kept readable, never slept (vllm_base_views).
         self.base_shared = share_weights
-        self._adapter: tuple[dict[str, Tensor], dict] | None = None  # memory transport's copy
+        self._adapter: tuple[dict[str, Tensor], dict, dict] | None = None  # memory transport's copy
+        # The structure of the adapter vLLM's loader last put in the slots, and whether writing in
+        # place matches that loader (None: not yet checked in this process).
+        self._slot_structure: tuple | None = None
+        self._writes_in_place: bool | None = None
         self._adapter_dir: Path | None = None
         self._param_names: frozenset[str] | None = None  # read from the live engine on first need
         self._served_names: frozenset[str] | None = None
@@ -368,17 +372,46 @@ class VLLMRollout(FingerprintReads):
             owned[name] = tensor.detach().to(home or tensor.device, copy=True).contiguous()
             stats.num_tensors += 1
             stats.bytes += tensor.numel() * tensor.element_size()
+        config, experts = dict(payload.adapter_config), dict(payload.experts)
         if self.adapter_transport == "tmpfs":
             assert self._adapter_dir is not None
-            save_peft_adapter(self._adapter_dir, owned, payload.adapter_config)
+            save_peft_adapter(self._adapter_dir, *vllm_form(owned, config, experts))
             self._adapter = None
         else:
-            self._adapter = (owned, dict(payload.adapter_config))
+            self._adapter = (owned, config, experts)
         stats.transfer_s = time.perf_counter() - start
-        stats.load_s = self._load_adapter()
+        stats.load_s = self._load_adapter(in_place=self._may_write_in_place())
         return stats
 
-    def _load_adapter(self) -> float:
+    def _may_write_in_place(self) -> bool:
+        """Whether the kept adapter can go straight into vLLM's slots (lorarl.rollout.vllm_lora_write):
+        memory transport, no tensor parallelism, the same structure in the slots, a checked writer."""
+        if self._adapter is None or self.tp_size > 1 or not self.has_adapter:
+            return False
+        if vllm_lora_write.structure(self._adapter[0].items(), *self._adapter[1:]) != self._slot_structure:
+            return False
+        if self._writes_in_place is None:
+            try:
+                why = vllm_lora_write.verify_writer(self, *self._adapter)
+            except Exception as exc:  # the slots hold random factors: serve nothing
+                self._reject(one_line(exc))
+                raise SyncError(f"checking the in-place adapter write failed: {one_line(exc)}") from exc
+            self._writes_in_place = why is None
+            if why is not None:
+                print(f"rollout: adapters load through vLLM's loader at every sync (writing in place: {why})")
+        return self._writes_in_place
+
+    def load_through_vllm(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
+        """vLLM's own adapter loader, from tensors in memory (PEFT's expert stacks split per expert)."""
+        self._slot_structure = vllm_lora_write.structure(tensors.items(), config, experts)
+        self.run_in_worker(vllm_worker.add_adapter_from_tensors, ADAPTER_ID, *vllm_form(tensors, config, experts))
+
+    def write_in_place(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
+        """The adapter written into the slots the last load filled (lorarl.rollout.vllm_lora_write)."""
+        sources = vllm_lora_write.slot_sources(tensors.items(), config, experts, self.adapter_layout())
+        self.run_in_worker(vllm_lora_write.write_lora_slots, ADAPTER_ID, sources)
+
+    def _load_adapter(self, in_place: bool = False) -> float:
         """Put the current adapter into the engine under ADAPTER_ID, replacing any old one.
 
         On failure the rollout holds no valid adapter: vLLM's copy is removed (it may be the
@@ -394,11 +427,7 @@ class VLLMRollout(FingerprintReads):
                 engine.llm_engine.add_lora(request)
             else:
                 assert self._adapter is not None
-                kept, config = self._adapter
-                # vLLM scales lora_B in place while building its LoRAModel: hand it a copy
-                # so the kept one stays as sent (re-attaching it doubled the scaling).
-                tensors = {name: t.clone() for name, t in kept.items()}
-                self.run_in_worker(vllm_worker.add_adapter_from_tensors, ADAPTER_ID, tensors, config)
+                (self.write_in_place if in_place else self.load_through_vllm)(*self._adapter)
             loaded = engine.llm_engine.list_loras()
             if loaded != {ADAPTER_ID}:
                 raise SyncError(f"vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
@@ -432,8 +461,8 @@ class VLLMRollout(FingerprintReads):
             raise ConfigError(f"sleep level {level} is not 1 or 2")
         self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
-        if level == 2:
-            self.base_loaded = False  # level 2 discards weights; the adapter listing lies
+        if level == 2:  # level 2 discards weights (LoRA slots too); the adapter listing lies
+            self.base_loaded, self._slot_structure = False, None
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags)

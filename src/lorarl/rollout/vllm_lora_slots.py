@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lorarl.errors import SyncError
 from lorarl.rollout.vllm_worker import _lora_adapters
-from lorarl.sync.fingerprint import fingerprint_sums_many, resolve
+from lorarl.sync.fingerprint import fingerprint_rows, resolve_rows
 from lorarl.sync.semantic import PROJECTIONS, slot_projections
 from lorarl.sync.transport import LoraSlot
 
@@ -106,15 +106,16 @@ def slot_groups(worker, lora_id: int) -> Iterator[SlotGroup]:
 
 
 def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
-    """Fingerprints of the LoRA slots vLLM computes with for adapter `lora_id`, per slot name."""
-    found: list[tuple[str, tuple, tuple]] = []
-    held: list[Tensor] = []
-    for names, a, b, _ in slot_groups(worker, lora_id):
-        for i, name in enumerate(names):
-            found.append((name, tuple(a[i].shape), tuple(b[i].shape)))
-            held += [a[i], b[i]]
-    fps = iter(resolve(fingerprint_sums_many(held)))
-    return {part: LoraSlot(part, a_shape, b_shape, next(fps), next(fps)) for part, a_shape, b_shape in found}
+    """Fingerprints of the LoRA slots vLLM computes with for adapter `lora_id`, per slot name
+    (each group's slots in one reduction: a MoE layer is hundreds of them)."""
+    groups = [(names, a, b) for names, a, b, _ in slot_groups(worker, lora_id)]
+    fps = iter(resolve_rows([rows for _, a, b in groups for rows in (fingerprint_rows(a), fingerprint_rows(b))]))
+    out = {}
+    for names, a, b in groups:
+        a_fps = [next(fps) for _ in names]
+        for name, fa in zip(names, a_fps):
+            out[name] = LoraSlot(name, tuple(a.shape[1:]), tuple(b.shape[1:]), fa, next(fps))
+    return out
 
 
 def lora_projections(

@@ -94,16 +94,22 @@ def experts_module(wrapper_module: str) -> str:
     return wrapper_module
 
 
-def per_expert_factors(a: Tensor, b: Tensor, num_experts: int) -> list[tuple[Tensor, Tensor]]:
-    """Expert e's (A_e [r, in], B_e [out, r]) from PEFT's stacked factors."""
-    rank = a.shape[0] // num_experts
-    if a.shape[0] != rank * num_experts or b.shape[1] != a.shape[0]:
+def stacked_expert_factors(a: Tensor, b: Tensor, wrapper: ExpertWrapper) -> list[tuple[str, Tensor, Tensor]]:
+    """Per projection vLLM loads from one PEFT stack: (gate_proj | up_proj | down_proj,
+    A [E, r, in], B [E, out, r]), views of PEFT's factors. gate and up share A and split B's rows
+    (gate first)."""
+    e = wrapper.num_experts
+    rank = a.shape[0] // e
+    if a.shape[0] != rank * e or b.shape[1] != a.shape[0]:
         raise SyncError(
-            f"expert LoRA factors {tuple(a.shape)} / {tuple(b.shape)} do not hold {num_experts} experts of one rank"
+            f"expert LoRA factors {tuple(a.shape)} / {tuple(b.shape)} of '{wrapper.module}' do not hold {e} "
+            "experts of one rank"
         )
-    a_e = a.reshape(num_experts, rank, a.shape[1])
-    b_e = b.reshape(b.shape[0], rank, num_experts)
-    return [(a_e[e], b_e[:, :, e]) for e in range(num_experts)]
+    a_e = a.reshape(e, rank, a.shape[1])
+    b_e = b.reshape(b.shape[0], rank, e).permute(2, 0, 1)
+    projections = VLLM_EXPERT_PROJECTIONS[wrapper.parameter]
+    rows = b.shape[0] // len(projections)
+    return [(proj, a_e, b_e[:, i * rows : (i + 1) * rows]) for i, proj in enumerate(projections)]
 
 
 def expert_delta(a: Tensor, b: Tensor, num_experts: int, scaling: float) -> Tensor:
@@ -134,16 +140,21 @@ def to_vllm_layout(tensors: Mapping[str, Tensor], wrappers: Mapping[str, ExpertW
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise SyncError(f"expert wrapper '{module}' has lora_{''.join(ab)} but not both factors")
-        wrapper = wrappers[module]
         base = experts_module(module)
-        projections = VLLM_EXPERT_PROJECTIONS[wrapper.parameter]
-        for e, (a, b) in enumerate(per_expert_factors(ab["A"], ab["B"], wrapper.num_experts)):
-            rows = b.shape[0] // len(projections)
-            for i, proj in enumerate(projections):
+        for proj, a_e, b_e in stacked_expert_factors(ab["A"], ab["B"], wrappers[module]):
+            for e in range(a_e.shape[0]):
                 stem = f"{base}.{e}.{proj}"
-                out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
-                out[f"{stem}.lora_B.weight"] = b[i * rows : (i + 1) * rows].contiguous().clone()
+                out[f"{stem}.lora_A.weight"] = a_e[e].contiguous().clone()
+                out[f"{stem}.lora_B.weight"] = b_e[e].contiguous().clone()
     return out
+
+
+def vllm_form(tensors: Mapping[str, Tensor], config: dict, experts: Mapping[str, ExpertWrapper]) -> tuple[dict, dict]:
+    """An adapter as vLLM's loader reads it, in tensors of its own: expert stacks split per expert
+    (`to_vllm_layout`), the rest copied (the loader scales lora_B in place)."""
+    split = to_vllm_layout(tensors, experts) if experts else dict(tensors)  # split experts are copies
+    out = {n: t.clone() if n in tensors else t for n, t in split.items()}
+    return out, vllm_adapter_config(config) if experts else config
 
 
 def vllm_adapter_config(peft_config: dict) -> dict:

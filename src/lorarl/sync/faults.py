@@ -2,8 +2,8 @@
 
 Off by default (null) and never for training: each fault is one of the export bugs LoRA-to-vLLM
 sync code has shipped, so a run can show that the sync checks stop it at the first sync, naming
-the place. They act on the payload in the form vLLM reads (PEFT names, experts per expert), after
-the export and before the rollout loads it, except `trainer_scaling`, which changes the trainer's
+the place. They act on the payload as sent (PEFT names; experts in PEFT's stacks, or per expert
+from Megatron), after the export and before the rollout loads it, except `trainer_scaling`, which changes the trainer's
 own scaling of one module after the adapter was made (a fault no check was written around).
 In merged mode (`model.lora.merge=true`) the same faults act on the merged weights instead
 (lorarl.sync.faults_merged).
@@ -88,14 +88,16 @@ class SyncFault:
             # The trainer's frozen weights under their PEFT names, beside the adapter: the payload
             # refuses them, naming the first.
             base = [(n, p) for n, p in engine.model.named_parameters() if not p.requires_grad][:2]
-            return WeightPayload.adapter(dict(base) | tensors, config)
+            return WeightPayload.adapter(dict(base) | tensors, config, payload.experts)
         if self.name in ("scale_x2", "scale_half"):
             factor = 2.0 if self.name == "scale_x2" else 0.5
             config["lora_alpha"] = config["lora_alpha"] * factor
             config["alpha_pattern"] = {k: v * factor for k, v in (config.get("alpha_pattern") or {}).items()}
+        elif self.name in ("gate_up_swap", "expert_swap"):
+            getattr(self, f"_{self.name}")(tensors, payload.experts)
         else:
             getattr(self, f"_{self.name}")(tensors)
-        return WeightPayload.adapter(tensors, config)
+        return WeightPayload.adapter(tensors, config, payload.experts)
 
     def corrupt_merged(self, payload: WeightPayload, engine) -> WeightPayload:
         """The merged (base-kind) payload as the fault would have exported it (unchanged when off)."""
@@ -105,8 +107,14 @@ class SyncFault:
 
     # Each changes the name -> tensor dict in place.
 
-    def _gate_up_swap(self, tensors: dict[str, Tensor]) -> None:
-        _swap_where(tensors, ".gate_proj.", ".up_proj.", "an MLP with gate_proj and up_proj")
+    def _gate_up_swap(self, tensors: dict[str, Tensor], experts: dict) -> None:
+        # A stacked gate_up B holds gate's rows, then up's (lorarl.sync.experts): swap the halves.
+        stacks = [f"{m}.lora_B.weight" for m, w in experts.items() if w.parameter == "gate_up_proj"]
+        for name in stacks:
+            b = tensors[name]
+            tensors[name] = torch.cat([b[b.shape[0] // 2 :], b[: b.shape[0] // 2]])
+        if not stacks or any(".gate_proj." in n for n in tensors):
+            _swap_where(tensors, ".gate_proj.", ".up_proj.", "an MLP with gate_proj and up_proj")
 
     def _qk_swap(self, tensors: dict[str, Tensor]) -> None:
         layer = ".layers.0."
@@ -118,11 +126,20 @@ class SyncFault:
             if k in tensors and (q.endswith("lora_A.weight") or tensors[q].shape == tensors[k].shape):
                 tensors[q], tensors[k] = tensors[k], tensors[q]
 
-    def _expert_swap(self, tensors: dict[str, Tensor]) -> None:
+    def _expert_swap(self, tensors: dict[str, Tensor], experts: dict) -> None:
         first = min((int(m[1]) for n in tensors if ".experts." in n and (m := _LAYER.search(n))), default=None)
         if first is None:
             raise ConfigError("trainer.sync_fault=expert_swap needs expert LoRA (model.lora.target_parameters)")
         layer = f".layers.{first}."
+        for module, wrapper in experts.items():
+            if layer not in module:
+                continue
+            # Stacked: A's rows run expert-major, B's columns expert-minor (lorarl.sync.experts).
+            e, a_name, b_name = wrapper.num_experts, f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+            a = tensors[a_name].reshape(e, -1, tensors[a_name].shape[1]).clone()
+            b = tensors[b_name].reshape(tensors[b_name].shape[0], -1, e).clone()
+            a[[0, 1]], b[:, :, [0, 1]] = a[[1, 0]], b[:, :, [1, 0]]
+            tensors[a_name], tensors[b_name] = a.reshape(tensors[a_name].shape), b.reshape(tensors[b_name].shape)
         zero = [n for n in tensors if layer in n and ".experts.0." in n]
         for n in zero:
             other = n.replace(".experts.0.", ".experts.1.")

@@ -108,6 +108,22 @@ def fingerprint_sums_many(tensors: list[Tensor], dtype: torch.dtype | None = Non
     return out  # type: ignore[return-value]
 
 
+def fingerprint_rows(stacked: Tensor) -> Tensor:
+    """[n, 2]: `fingerprint_sums` of each stacked[i], in one reduction (an expert stack's slots)."""
+    if stacked.dtype not in _BITS:
+        raise SyncError(f"cannot fingerprint a {stacked.dtype} tensor; sync checks cover float32/float16/bfloat16")
+    t = stacked.detach().contiguous()
+    return _row_sums(t.view(_BITS[t.dtype]).reshape(t.shape[0], -1))
+
+
+def resolve_rows(rows: list[Tensor]) -> list[Fingerprint]:
+    """Fingerprints of `fingerprint_rows` results (each [n, 2], one device), one host transfer."""
+    if not rows:
+        return []
+    values = torch.cat([r.to(rows[0].device) for r in rows]).tolist()
+    return [Fingerprint(_wrap(total), _wrap(weighted)) for total, weighted in values]
+
+
 def resolve(sums: list[Tensor]) -> list[Fingerprint]:
     """Fingerprints of `fingerprint_sums` results, one host transfer per device."""
     out: list[Fingerprint | None] = [None] * len(sums)

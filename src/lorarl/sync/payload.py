@@ -14,10 +14,14 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from lorarl.errors import SyncError
+
+if TYPE_CHECKING:
+    from lorarl.sync.experts import ExpertWrapper
 
 # PEFT's saved form (get_peft_model_state_dict): adapter name removed, prefix kept.
 _ADAPTER_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -36,13 +40,17 @@ class WeightPayload:
     `BASE`: plain HF names and full tensors; `tensors` may be a one-shot stream and
     each name is checked as it is read. `ADAPTER`: PEFT names
     (`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`), materialised and
-    checked at construction, plus the adapter config as a plain dict.
+    checked at construction, plus the adapter config as a plain dict. An adapter's routed
+    experts travel as PEFT trains them, one stacked A/B pair per fused expert parameter
+    (lorarl.sync.experts), named in `experts` by PEFT module; an adapter without `experts` holds
+    every expert's factors under its own per-expert name (the Megatron export).
     Build with `WeightPayload.base(...)` / `WeightPayload.adapter(...)`.
     """
 
     kind: PayloadKind
     tensors: Iterable[tuple[str, Tensor]]
     adapter_config: dict | None = field(default=None)
+    experts: Mapping[str, ExpertWrapper] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Validation lives here, not in the constructors, so no payload can be built
@@ -54,10 +62,13 @@ class WeightPayload:
         object.__setattr__(self, "kind", kind)
         if kind is PayloadKind.ADAPTER:
             tensors = _validate_adapter_tensors(self.tensors)
-            config = _validate_adapter_config(self.adapter_config, tensors)
+            config = _validate_adapter_config(self.adapter_config, tensors, self.experts)
             object.__setattr__(self, "tensors", tensors)
             object.__setattr__(self, "adapter_config", config)
+            object.__setattr__(self, "experts", dict(self.experts))
         else:
+            if self.experts:
+                raise SyncError("base payload got expert stacks; only an adapter carries them")
             if self.adapter_config is not None:
                 raise SyncError(
                     "base payload got an adapter_config; base weights carry none "
@@ -70,8 +81,9 @@ class WeightPayload:
         cls,
         tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
         adapter_config: dict,
+        experts: Mapping[str, ExpertWrapper] | None = None,
     ) -> WeightPayload:
-        return cls(PayloadKind.ADAPTER, tensors, adapter_config)
+        return cls(PayloadKind.ADAPTER, tensors, adapter_config, experts or {})
 
     @classmethod
     def base(cls, tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> WeightPayload:
@@ -180,7 +192,7 @@ def _validate_adapter_tensors(tensors) -> tuple[tuple[str, Tensor], ...]:
     return tuple(items)
 
 
-def _validate_adapter_config(config, tensors: tuple[tuple[str, Tensor], ...]) -> dict:
+def _validate_adapter_config(config, tensors: tuple[tuple[str, Tensor], ...], experts: Mapping) -> dict:
     if not isinstance(config, Mapping):
         raise SyncError(
             f"adapter payload needs adapter_config as a plain dict (peft: LoraConfig.to_dict()), "
@@ -209,10 +221,17 @@ def _validate_adapter_config(config, tensors: tuple[tuple[str, Tensor], ...]) ->
         json.dumps(out)
     except (TypeError, ValueError) as exc:
         raise SyncError(f"adapter_config must be JSON-serialisable (plain dict): {exc}") from None
+    names = {name for name, _ in tensors}
+    for module in experts:
+        if f"{module}.lora_A.weight" not in names:
+            raise SyncError(f"adapter payload names expert stack '{module}' but holds no '{module}.lora_A.weight'")
     if not out.get("rank_pattern"):
         for name, tensor in tensors:
-            if name.endswith("lora_A.weight") and tensor.shape[0] != r:
-                raise SyncError(f"adapter tensor '{name}' has rank {tensor.shape[0]} but adapter_config r={r}")
+            stack = experts.get(name[: -len(".lora_A.weight")])
+            rows = r * (stack.num_experts if stack is not None else 1)
+            if name.endswith("lora_A.weight") and tensor.shape[0] != rows:
+                per = f" ({stack.num_experts} experts of rank r)" if stack is not None else ""
+                raise SyncError(f"adapter tensor '{name}' has {tensor.shape[0]} rows but adapter_config r={r}{per}")
     return out
 
 

@@ -2,7 +2,7 @@
 engine, the receiver beside vLLM, and what passes between them goes through Ray's object store.
 
 The session's two halves (lorarl.sync.session.export_adapter, check_adapter) run apart: the
-sender exports the adapter in vLLM's layout and computes the semantic check's expected side from
+sender exports the adapter (PEFT's layout) and computes the semantic check's expected side from
 the trainer's own parameters (lorarl.sync.semantic); the receiver loads the payload and runs the
 transport and semantic checks against vLLM. A bundle carries both, so a payload that never
 arrives still leaves the expected side to compare with, and the checks fail at the first sync
@@ -53,7 +53,8 @@ class TrainerProbe:
 
 def _to_host(payload: WeightPayload) -> WeightPayload:
     """The payload with its tensors in host memory: the receiver sees other devices than the sender."""
-    return WeightPayload.adapter({n: t.detach().cpu() for n, t in payload.tensors}, payload.adapter_config)
+    tensors = {n: t.detach().cpu() for n, t in payload.tensors}
+    return WeightPayload.adapter(tensors, payload.adapter_config, payload.experts)
 
 
 class SyncSender:

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.sync.fingerprint import ZERO, Fingerprint, fingerprint_sums_many, resolve
+from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
+from lorarl.sync.fingerprint import ZERO, Fingerprint, fingerprint_rows, fingerprint_sums_many, resolve, resolve_rows
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ def expected_adapter_slots(
     slots: Mapping[str, LoraSlot],
     tp_rank: int = 0,
     tp_size: int = 1,
+    experts: Mapping[str, ExpertWrapper] | None = None,
 ) -> dict[str, tuple[Fingerprint, Fingerprint]]:
     """Per vLLM module: the fingerprints its slot must hold after loading this adapter.
 
@@ -58,11 +60,19 @@ def expected_adapter_slots(
     scaling (alpha / r, or PEFT's patterns); B is stored in an (out, max_lora_rank) slot, so a
     B of lower rank is padded to it. Modules the adapter does not name must hold zeros. With
     tensor parallelism each rank holds its slice: B's rows of a column-parallel module (each of
-    q/k/v on its own), A's columns of a row-parallel one; the slot's shape says which.
+    q/k/v on its own), A's columns of a row-parallel one; the slot's shape says which. Expert
+    stacks (`experts`, PEFT module -> wrapper) are read per expert as vLLM's loader splits them
+    (lorarl.sync.experts), all experts of a projection in one reduction.
     """
+    experts = experts or {}
+    stacks: dict[str, dict[str, Tensor]] = {}
     pairs: dict[str, dict[str, Tensor]] = {}
     peft_module: dict[str, str] = {}
     for name, tensor in tensors:
+        stem, _, ab = name.removesuffix(".weight").rpartition(".lora_")
+        if stem in experts:
+            stacks.setdefault(stem, {})[ab] = tensor
+            continue
         module, is_a = layout.module_of(name)
         pairs.setdefault(module, {})["A" if is_a else "B"] = tensor
         peft_module[module] = _PEFT_MODULE.sub("", name)
@@ -71,12 +81,7 @@ def expected_adapter_slots(
     for module, ab in pairs.items():
         if module not in slots and _other_ranks_expert(module, slots):
             continue  # expert parallelism: another rank holds (and checks) this expert
-        if module not in slots:
-            raise SyncError(
-                f"adapter module '{module}' has no LoRA slot in vLLM (its LoRA modules are e.g. "
-                f"{', '.join(sorted(slots)[:3])}); the rollout cannot serve it"
-            )
-        slot = slots[module]
+        slot = _slot(module, slots)
         a = _tp_shard(ab["A"].detach(), 1, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
         b = _tp_shard(ab["B"].detach(), 0, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
         scaling = layout.scaling_of(adapter_config, peft_module[module])
@@ -87,7 +92,49 @@ def expected_adapter_slots(
         pending[module] = (a, b)
     resolved = iter(resolve(fingerprint_sums_many([t for pair in pending.values() for t in pair])))
     out.update({module: (next(resolved), next(resolved)) for module in pending})
+    groups = [
+        group
+        for stem, ab in stacks.items()
+        for group in _expert_stack_rows(ab, experts[stem], adapter_config, layout, slots, tp_rank, tp_size)
+    ]
+    fps = iter(resolve_rows([rows for _, a_rows, b_rows in groups for rows in (a_rows, b_rows)]))
+    for held, _, _ in groups:
+        a_fps = [next(fps) for _ in held]
+        out.update({module: (fa, next(fps)) for module, fa in zip(held, a_fps)})
     return out
+
+
+def _slot(module: str, slots: Mapping[str, LoraSlot]) -> LoraSlot:
+    if module not in slots:
+        raise SyncError(
+            f"adapter module '{module}' has no LoRA slot in vLLM (its LoRA modules are e.g. "
+            f"{', '.join(sorted(slots)[:3])}); the rollout cannot serve it"
+        )
+    return slots[module]
+
+
+def _expert_stack_rows(ab, wrapper, adapter_config, layout, slots, tp_rank, tp_size):
+    """Per projection of one PEFT expert stack: (the vLLM slot of each expert this rank holds,
+    [n, 2] fingerprint sums of their A, the same of their B), as vLLM's loader would store them."""
+    if set(ab) != {"A", "B"}:
+        raise SyncError(f"expert stack '{wrapper.module}' has lora_{''.join(ab)} but not both factors")
+    stem = experts_module(wrapper.module)
+    for proj, a_all, b_all in stacked_expert_factors(ab["A"].detach(), ab["B"].detach(), wrapper):
+        names = [layout.module_of(f"{stem}.{e}.{proj}.lora_A.weight")[0] for e in range(wrapper.num_experts)]
+        mine = [e for e, n in enumerate(names) if n in slots]
+        if not mine:
+            if _other_ranks_expert(names[0], slots):
+                continue  # expert parallelism: another rank holds (and checks) these experts
+            _slot(names[0], slots)
+        slot = slots[names[mine[0]]]
+        a = _tp_shard(a_all[mine], 2, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
+        b = _tp_shard(b_all[mine], 1, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
+        scaling = layout.scaling_of(adapter_config, _PEFT_MODULE.sub("", f"{stem}.0.{proj}.lora_A.weight"))
+        if scaling != 1:
+            b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
+        if b.shape[2] < slot.b_shape[1]:
+            b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[2]))
+        yield [names[e] for e in mine], fingerprint_rows(a), fingerprint_rows(b)
 
 
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
@@ -157,7 +204,13 @@ def verify_adapter(rollout, payload, rank: int | None = None) -> float:
     differs. `rollout` is a lorarl VLLMRollout, `payload` the adapter WeightPayload it was sent."""
     held = rollout.held_adapter_slots()
     expected = expected_adapter_slots(
-        payload.tensors, payload.adapter_config, rollout.adapter_layout(), held, rollout.tp_rank, rollout.tp_size
+        payload.tensors,
+        payload.adapter_config,
+        rollout.adapter_layout(),
+        held,
+        rollout.tp_rank,
+        rollout.tp_size,
+        payload.experts,
     )
     return check_adapter_slots(expected, held, rank)
 
