@@ -196,6 +196,12 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
         with pytest.raises(SyncError, match=r"experts\.5\.up_proj"):
             transport.verify_adapter(rollout, WeightPayload.adapter(bad, config))
 
+        # Experts sent one by one (as the Megatron export sends them) are written in place too.
+        moved = WeightPayload.adapter({k: v * 2 for k, v in tensors.items()}, config)
+        rollout.apply(moved)
+        assert rollout._writes_in_place is True
+        assert transport.verify_adapter(rollout, moved) == 1.0
+
         with pytest.raises(ConfigError, match="model.lora.merge=true") as err:
             rollout.sample([[1, 2, 3]], max_tokens=2)
         assert "\n" not in str(err.value)
@@ -215,12 +221,19 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
     base = AutoModelForCausalLM.from_pretrained(tiny_moe_path)
     model = lora_moe(base, rank=2, alpha=5, seed=3)
     wrappers = expert_wrappers(model)
-    config = {"r": 2, "lora_alpha": 5, "target_modules": ATTENTION, "target_parameters": list(QWEN3_MOE_EXPERT_PARAMETERS)}
+    config = {
+        "r": 2,
+        "lora_alpha": 5,
+        "target_modules": ATTENTION,
+        "target_parameters": list(QWEN3_MOE_EXPERT_PARAMETERS),
+    }
 
     def payload(seed: int) -> WeightPayload:
         gen = torch.Generator().manual_seed(seed)
         state = get_peft_model_state_dict(model)
-        return WeightPayload.adapter({k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.items()}, config, wrappers)
+        return WeightPayload.adapter(
+            {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.items()}, config, wrappers
+        )
 
     hf = json.loads((tiny_moe_path / "config.json").read_text())
     first, second, third = payload(1), payload(2), payload(3)

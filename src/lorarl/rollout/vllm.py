@@ -391,11 +391,10 @@ class VLLMRollout(FingerprintReads):
         if vllm_lora_write.structure(self._adapter[0].items(), *self._adapter[1:]) != self._slot_structure:
             return False
         if self._writes_in_place is None:
-            try:
+            try:  # leaves random factors in the slots: the kept adapter is loaded next, either way
                 why = vllm_lora_write.verify_writer(self, *self._adapter)
-            except Exception as exc:  # the slots hold random factors: serve nothing
-                self._reject(one_line(exc))
-                raise SyncError(f"checking the in-place adapter write failed: {one_line(exc)}") from exc
+            except Exception as exc:
+                why = one_line(exc)
             self._writes_in_place = why is None
             if why is not None:
                 print(f"rollout: adapters load through vLLM's loader at every sync (writing in place: {why})")

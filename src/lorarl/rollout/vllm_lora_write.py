@@ -74,6 +74,10 @@ def write_lora_slots(worker, lora_id: int, sources: Sources) -> None:
     written = set()
     for names, a, b, spread in slot_groups(worker, lora_id):
         source = sources.get(names[0])
+        if len(names) > 1 and names[1] in sources:  # experts sent one by one (the Megatron export)
+            parts = [sources[name] for name in names]
+            source = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts]))
+            written.update(names)
         if source is None:
             continue  # a module the adapter does not target: its slot keeps the loader's zeros
         src_a, src_b = source
