@@ -3,18 +3,17 @@
     python -m bench.moe_sync                        # CPU: 48 layers x 128 experts at tiny widths
     python -m bench.moe_sync --dims real --layers 16 --device cuda    # GPU: the real widths
 
-What one sync costs on the rollout's side, both ways, alternating in one process on one engine:
-`loader` is the payload as it was sent per expert (6 x E tensors a layer, each name checked)
-loaded through vLLM's own loader (`VLLMRollout.load_through_vllm`); `in_place` is the payload in
-PEFT's stacks (2 pairs a layer) written into the slots that load filled
-(`VLLMRollout.write_in_place`, lorarl.rollout.vllm_lora_write). Both are followed by the transport
-check, which must read 1.0. The trainer's gather is the same for both and not timed here. The
-widths matter little at `--dims tiny`: the cost there is per tensor, which is what the stacks remove.
+One sync's rollout side both ways, alternating on one engine: `loader`, the payload per expert
+(6 x E tensors a layer) through vLLM's loader (`VLLMRollout.load_through_vllm`); `in_place`, PEFT's
+stacks written into the slots (`VLLMRollout.write_in_place`). Each is followed by the transport
+check (must read 1.0). The trainer's gather is the same for both, not timed. At `--dims tiny` the
+cost is per tensor, which is what the stacks remove.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from datetime import date
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ROOT, cache_dir, write_json
+from bench.common import ROOT, cache_dir, versions, write_json
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -37,27 +36,18 @@ def moe_model(cache: Path, dims: str, layers: int, experts: int, device: str) ->
     from lorarl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
+    ids = dict(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    width = dict(intermediate_size=128, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
     config = Qwen3MoeConfig(
-        **(REAL if dims == "real" else TINY),
-        num_hidden_layers=layers,
-        num_experts=experts,
-        num_experts_per_tok=8,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        **(REAL if dims == "real" else TINY), **width, **ids, num_hidden_layers=layers, num_experts=experts
     )
     path = cache / "bench" / f"qwen3_moe_{dims}_l{layers}_e{experts}"
     if not (path / "config.json").is_file():
         with torch.device(device):
             model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-        tmp = path.with_name(path.name + ".tmp")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        tmp.rename(path)
+        model.save_pretrained(path.with_name(path.name + ".tmp"))
+        tok.save_pretrained(path.with_name(path.name + ".tmp"))
+        path.with_name(path.name + ".tmp").rename(path)
     return path, config
 
 
@@ -68,15 +58,12 @@ def adapter(config, rank: int, seed: int, device: str):
 
     from lorarl.sync.experts import expert_wrappers
 
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION, target_parameters=EXPERT_PARAMETERS)
-    with torch.device("meta"):  # names and shapes only
-        model = get_peft_model(Qwen3MoeForCausalLM(config), lora)
-    gen = torch.Generator().manual_seed(seed)
-    state = {
-        n: (torch.randn(t.shape, generator=gen) * 0.02).to(device, torch.bfloat16)
-        for n, t in get_peft_model_state_dict(model).items()
-    }
     cfg = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ATTENTION, "target_parameters": EXPERT_PARAMETERS}
+    with torch.device("meta"):  # names and shapes only
+        model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(**cfg))
+    gen = torch.Generator().manual_seed(seed)
+    state = get_peft_model_state_dict(model)
+    state = {n: (torch.randn(t.shape, generator=gen) * 0.02).to(device, torch.bfloat16) for n, t in state.items()}
     return state, cfg, expert_wrappers(model)
 
 
@@ -107,64 +94,37 @@ def main() -> None:
             tensors, cfg, wrappers = adapter(config, args.rank, repeat, args.device)
             for arm in ("loader", "in_place"):
                 t0 = time.perf_counter()
-                if arm == "loader":
+                if arm == "loader":  # per expert, as the export sent it before
                     payload = WeightPayload.adapter(to_vllm_layout(tensors, wrappers), vllm_adapter_config(cfg))
                 else:
                     payload = WeightPayload.adapter(tensors, cfg, wrappers)
                 t1 = time.perf_counter()
-                if arm == "loader":
-                    rollout.load_through_vllm(dict(payload.tensors), payload.adapter_config, {})
-                else:
-                    rollout.write_in_place(dict(payload.tensors), payload.adapter_config, wrappers)
-                _sync(args.device)
+                load = rollout.load_through_vllm if arm == "loader" else rollout.write_in_place
+                load(dict(payload.tensors), payload.adapter_config, payload.experts)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 t2 = time.perf_counter()
                 assert transport.verify_adapter(rollout, payload) == 1.0
-                t3 = time.perf_counter()
                 if repeat:
-                    rows[arm].append(
-                        dict(tensors=len(payload.tensors), payload_s=t1 - t0, load_s=t2 - t1, check_s=t3 - t2)
-                    )
+                    times = dict(payload_s=t1 - t0, load_s=t2 - t1, check_s=time.perf_counter() - t2)
+                    rows[arm].append(dict(tensors=len(payload.tensors), **times))
     table = {arm: _summary(r) for arm, r in rows.items()}
-    result = dict(
-        command="python -m bench." + Path(__file__).stem, args=vars(args), shape=config.to_dict(), arms=table, rows=rows
-    )
+    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{os.cpu_count()} CPU cores"
+    command = "python -m bench.moe_sync " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out")
+    result = dict(command=command, machine=machine, versions=versions(), shape=config.to_dict(), arms=table, rows=rows)
     write_json(Path(args.out + ".json"), result)
-    lines = [
-        "| arm | tensors | payload s | load s | payload + load s | transport check s |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = ["| arm | tensors | payload s | load s | payload + load s | transport check s |", "|" + "---|" * 6]
     for arm, t in table.items():
         lines.append(f"| {arm} | {t['tensors']} | {t['payload_s']} | {t['load_s']} | {t['total_s']} | {t['check_s']} |")
-    Path(args.out + ".md").write_text(
-        "\n".join(
-            [
-                f"`{result['command']} {' '.join(f'--{k} {v}' for k, v in vars(args).items() if k != 'out')}`",
-                "",
-                *lines,
-                "",
-            ]
-        )
-    )
+    Path(args.out + ".md").write_text("\n".join([f"`{command}` on {machine}", "", *lines, ""]))
     print("\n".join(lines))
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _summary(rows: list[dict]) -> dict:
     """Median (min-max) over the kept repeats, per column."""
-
-    def cell(values):
-        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-    totals = [r["payload_s"] + r["load_s"] for r in rows]
-    return dict(
-        tensors=rows[0]["tensors"],
-        **{k: cell([r[k] for r in rows]) for k in ("payload_s", "load_s", "check_s")},
-        total_s=cell(totals),
-    )
+    cell = lambda v: f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"  # noqa: E731
+    out = {k: cell([r[k] for r in rows]) for k in ("payload_s", "load_s", "check_s")}
+    return dict(tensors=rows[0]["tensors"], **out, total_s=cell([r["payload_s"] + r["load_s"] for r in rows]))
 
 
 if __name__ == "__main__":
