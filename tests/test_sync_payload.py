@@ -229,3 +229,21 @@ def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
     assert {name: resolve_base_name(name, live_qwen3) for name in want} == want
     # An engine whose wrappers load plain names themselves (vLLM 0.32) lists nothing: no renames.
     assert all(resolve_base_name(name, frozenset()) == name for name in want)
+
+
+def test_expert_stacks_hold_every_expert_at_the_adapters_rank():
+    """An expert stack (PEFT's ParamWrapper factors) holds r rows per expert; the payload names its
+    stacks, and a stack of the wrong height or one the tensors lack is refused by name."""
+    from lorarl.sync.experts import ExpertWrapper
+
+    stem = "base_model.model.model.layers.0.mlp.experts.base_layer"
+    stacks = {stem: ExpertWrapper(stem, "gate_up_proj", 4)}
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    tensors = {f"{stem}.lora_A.weight": torch.zeros(8, 16), f"{stem}.lora_B.weight": torch.zeros(12, 8)}
+    assert WeightPayload.adapter(tensors, config, stacks).experts == stacks
+    with pytest.raises(SyncError, match=r"has 2 rows but adapter_config r=2 \(4 experts of rank r\)"):
+        short = {f"{stem}.lora_A.weight": torch.zeros(2, 16), f"{stem}.lora_B.weight": torch.zeros(12, 2)}
+        WeightPayload.adapter(short, config, stacks)
+    other = "base_model.model.model.layers.1.mlp.experts"
+    with pytest.raises(SyncError, match=f"expert stack '{other}'"):
+        WeightPayload.adapter(tensors, config, {**stacks, other: ExpertWrapper(other, "down_proj", 4)})
