@@ -41,13 +41,16 @@ def moe_model(cache: Path, dims: str, layers: int, experts: int, device: str) ->
     config = Qwen3MoeConfig(
         **(REAL if dims == "real" else TINY), **width, **ids, num_hidden_layers=layers, num_experts=experts
     )
+    config.dtype = "bfloat16"  # what vLLM's dtype "auto" reads
     path = cache / "bench" / f"qwen3_moe_{dims}_l{layers}_e{experts}"
     if not (path / "config.json").is_file():
+        torch.set_default_dtype(torch.bfloat16)  # at --dims real a float32 init would double the 20-60 GB
         with torch.device(device):
-            model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-        model.save_pretrained(path.with_name(path.name + ".tmp"))
+            Qwen3MoeForCausalLM(config).save_pretrained(path.with_name(path.name + ".tmp"))
+        torch.set_default_dtype(torch.float32)
         tok.save_pretrained(path.with_name(path.name + ".tmp"))
         path.with_name(path.name + ".tmp").rename(path)
+        torch.cuda.empty_cache()  # the model is gone: vLLM's memory profile must not count it
     return path, config
 
 
