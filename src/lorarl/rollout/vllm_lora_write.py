@@ -98,9 +98,14 @@ def write_lora_slots(worker, lora_id: int, sources: Sources) -> None:
 
 
 def random_like(tensors: Iterable[tuple[str, Tensor]], seed: int) -> dict[str, Tensor]:
-    """Seeded random factors of the adapter's names, shapes, dtypes and devices."""
-    gen = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(t.shape, generator=gen) * 0.02).to(t.device, t.dtype) for n, t in tensors}
+    """Seeded random factors of the adapter's names, shapes, dtypes and devices, drawn where they
+    live (a 30B-A3B adapter is 0.6B values)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    out = {}
+    for name, t in tensors:
+        gen = gens.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
+        out[name] = (torch.randn(t.shape, generator=gen, device=t.device) * 0.02).to(t.dtype)
+    return out
 
 
 def verify_writer(
