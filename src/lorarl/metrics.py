@@ -211,7 +211,9 @@ SYNC_NUM_TENSORS = M("sync/num_tensors", "tensors sent", "count", "worker")
 SYNC_BYTES = M("sync/bytes", "bytes sent", "bytes", "worker")
 SYNC_GATHER_SECONDS = M("sync/gather_seconds", "collecting the weights from the training engine", "s", "worker")
 SYNC_TRANSFER_SECONDS = M("sync/transfer_seconds", "handing them to the rollout engine", "s", "worker")
-SYNC_LOAD_SECONDS = M("sync/load_seconds", "vLLM loading them", "s", "worker")
+SYNC_LOAD_SECONDS = M(
+    "sync/load_seconds", "putting them into vLLM (its loader, or the in-place slot write)", "s", "worker"
+)
 SYNC_SECONDS = M("sync/seconds", "the whole sync: gather, transfer and load", "s", "worker")
 SYNC_NUM_ADAPTERS = M(
     "sync/num_adapters", "adapters vLLM holds after the sync (1 in adapter mode, 0 merged)", "count", "vLLM"
