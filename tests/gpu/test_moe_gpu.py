@@ -5,7 +5,8 @@ Run on the accelerator machine after .vllmcarry/install.sh and install-extra.sh:
 Cases: one GPU (rank 1, attention + every expert, the final adapter then loaded by HF+PEFT and
 by vLLM from its path, log-probs compared); two GPUs with the engine's experts sliced by tensor
 parallelism (each rank checks its slice); two GPUs with expert parallelism (each rank holds and
-checks half the experts). The 30B-A3B-shaped timing run is tests/gpu/moe_step.sh.
+checks half the experts). The 30B-A3B-shaped timing run is tests/gpu/moe_step.sh; the sync alone,
+vLLM's loader against the in-place write: python -m bench.moe_sync --dims real --layers 16 --device cuda.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def run_recipe(tmp_path: Path, name: str, overrides: list[str]) -> tuple[Path, l
     steps = [r for r in rows if "sync/kind" in r]
     assert len(steps) == STEPS and all(r["sync/kind"] == "adapter" for r in steps)
     assert all(r["sync/adapter_match"] == 1.0 for r in steps)  # the expert stacks included
+    assert all(r["sync/adapter_meaning"] == 1.0 for r in steps)
     assert all(r["sync/logprob_diff_max"] < 0.5 for r in steps)
     return out, steps
 
@@ -52,6 +54,8 @@ def test_expert_adapter_sync_rank_1_and_the_final_adapter_loads_in_peft_and_vllm
     if gpus() < 1:
         pytest.skip("needs a GPU")
     out, _ = run_recipe(tmp_path, "moe_1gpu_rank1", ["model.lora.rank=1", "rollout.enforce_eager=false"])
+    # One GPU: after the first load, adapters are written into vLLM's slots in place (rollout/vllm_lora_write.py).
+    assert "load through vLLM's loader at every sync" not in (out / "run.log").read_text()
     final = out / "final_adapter"
     assert (final / "adapter_model.safetensors").is_file() and (final / "vllm" / "adapter_model.safetensors").is_file()
     import torch
