@@ -16,9 +16,9 @@ from torch import Tensor
 
 from lorarl.errors import SyncError
 from lorarl.rollout.vllm_worker import _lora_adapters
-from lorarl.sync.fingerprint import fingerprint_rows, resolve_rows
+from lorarl.sync.fingerprint import fingerprint_rows
 from lorarl.sync.semantic import PROJECTIONS, slot_projections
-from lorarl.sync.transport import LoraSlot
+from lorarl.sync.transport import HeldSlots
 
 # A group: (slot names, A [n, rank, in], B [n, out, rank], held by one rank each under expert parallelism).
 SlotGroup = tuple[list[str], Tensor, Tensor, bool]
@@ -105,17 +105,14 @@ def slot_groups(worker, lora_id: int) -> Iterator[SlotGroup]:
             yield [part], a[index], b[index], False
 
 
-def adapter_slots(worker, lora_id: int) -> dict[str, LoraSlot]:
-    """Fingerprints of the LoRA slots vLLM computes with for adapter `lora_id`, per slot name
-    (each group's slots in one reduction: a MoE layer is hundreds of them)."""
+def adapter_slot_sums(worker, lora_id: int) -> HeldSlots:
+    """Fingerprint sums of the LoRA slots vLLM computes with for adapter `lora_id` (each group's
+    slots in one reduction, one host transfer: a MoE layer is hundreds of them)."""
     groups = [(names, a, b) for names, a, b, _ in slot_groups(worker, lora_id)]
-    fps = iter(resolve_rows([rows for _, a, b in groups for rows in (fingerprint_rows(a), fingerprint_rows(b))]))
-    out = {}
-    for names, a, b in groups:
-        a_fps = [next(fps) for _ in names]
-        for name, fa in zip(names, a_fps):
-            out[name] = LoraSlot(name, tuple(a.shape[1:]), tuple(b.shape[1:]), fa, next(fps))
-    return out
+    rows = [torch.cat([fingerprint_rows(a), fingerprint_rows(b)], 1) for _, a, b in groups]
+    sums = torch.cat(rows).cpu() if rows else torch.zeros(0, 4, dtype=torch.int64)
+    shapes = {n: (tuple(a.shape[1:]), tuple(b.shape[1:])) for names, a, b in groups for n in names}
+    return HeldSlots([n for names, _, _ in groups for n in names], shapes, sums)
 
 
 def lora_projections(

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lorarl.errors import SyncError
 from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
-from lorarl.sync.fingerprint import ZERO, Fingerprint, fingerprint_rows, fingerprint_sums_many, resolve, resolve_rows
+from lorarl.sync.fingerprint import Fingerprint, fingerprint_rows, fingerprint_sums_many, resolve_rows
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,22 @@ class LoraSlot:
     b: Fingerprint
 
 
+@dataclass(frozen=True, eq=False)
+class HeldSlots:
+    """Every LoRA slot vLLM holds for an adapter, in one order: its name (vLLM's module name of the
+    part), its (A, B) slot shapes, and `sums` [N, 4] int64, each row the fingerprint sums of A then
+    B (lorarl.sync.fingerprint), on the host. A MoE layer is hundreds of slots, so they stay rows."""
+
+    names: list[str]
+    shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]
+    sums: Tensor
+
+    def slots(self) -> dict[str, LoraSlot]:
+        """The same, one LoraSlot per name."""
+        fps = iter(resolve_rows([self.sums.reshape(-1, 2)]))
+        return {name: LoraSlot(name, *self.shapes[name], next(fps), next(fps)) for name in self.names}
+
+
 @dataclass(frozen=True)
 class AdapterLayout:
     """What the expected fingerprint needs from vLLM: its LoRA dtype, the scaling rule of its
@@ -45,16 +61,16 @@ class AdapterLayout:
     scaling_of: object  # callable: (adapter_config, PEFT module name) -> float
 
 
-def expected_adapter_slots(
+def expected_adapter_sums(
     tensors: Iterable[tuple[str, Tensor]],
     adapter_config: dict,
     layout: AdapterLayout,
-    slots: Mapping[str, LoraSlot],
+    held: HeldSlots,
     tp_rank: int = 0,
     tp_size: int = 1,
     experts: Mapping[str, ExpertWrapper] | None = None,
-) -> dict[str, tuple[Fingerprint, Fingerprint]]:
-    """Per vLLM module: the fingerprints its slot must hold after loading this adapter.
+) -> Tensor:
+    """[N, 4]: the fingerprint sums each of `held`'s slots must hold after loading this adapter.
 
     vLLM casts A and B to its LoRA dtype, then multiplies B in that dtype by the module's
     scaling (alpha / r, or PEFT's patterns); B is stored in an (out, max_lora_rank) slot, so a
@@ -65,6 +81,7 @@ def expected_adapter_slots(
     (lorarl.sync.experts), all experts of a projection in one reduction.
     """
     experts = experts or {}
+    slots = held.shapes
     stacks: dict[str, dict[str, Tensor]] = {}
     pairs: dict[str, dict[str, Tensor]] = {}
     peft_module: dict[str, str] = {}
@@ -76,35 +93,35 @@ def expected_adapter_slots(
         module, is_a = layout.module_of(name)
         pairs.setdefault(module, {})["A" if is_a else "B"] = tensor
         peft_module[module] = _PEFT_MODULE.sub("", name)
-    out = {module: (ZERO, ZERO) for module in slots}
     pending: dict[str, tuple[Tensor, Tensor]] = {}
     for module, ab in pairs.items():
         if module not in slots and _other_ranks_expert(module, slots):
             continue  # expert parallelism: another rank holds (and checks) this expert
-        slot = _slot(module, slots)
-        a = _tp_shard(ab["A"].detach(), 1, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
-        b = _tp_shard(ab["B"].detach(), 0, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
+        a_shape, b_shape = _slot(module, slots)
+        a = _tp_shard(ab["A"].detach(), 1, a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
+        b = _tp_shard(ab["B"].detach(), 0, b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
         scaling = layout.scaling_of(adapter_config, peft_module[module])
         if scaling != 1:
             b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
-        if b.shape[1] < slot.b_shape[1]:
-            b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[1]))
+        if b.shape[1] < b_shape[1]:
+            b = torch.nn.functional.pad(b, (0, b_shape[1] - b.shape[1]))
         pending[module] = (a, b)
-    resolved = iter(resolve(fingerprint_sums_many([t for pair in pending.values() for t in pair])))
-    out.update({module: (next(resolved), next(resolved)) for module in pending})
-    groups = [
-        group
-        for stem, ab in stacks.items()
-        for group in _expert_stack_rows(ab, experts[stem], adapter_config, layout, slots, tp_rank, tp_size)
-    ]
-    fps = iter(resolve_rows([rows for _, a_rows, b_rows in groups for rows in (a_rows, b_rows)]))
-    for held, _, _ in groups:
-        a_fps = [next(fps) for _ in held]
-        out.update({module: (fa, next(fps)) for module, fa in zip(held, a_fps)})
+    groups = [(list(pending), _stacked([t for pair in pending.values() for t in pair]))] if pending else []
+    for stem, ab in stacks.items():
+        groups += _expert_stack_rows(ab, experts[stem], adapter_config, layout, slots, tp_rank, tp_size)
+    index = {name: i for i, name in enumerate(held.names)}
+    out = torch.zeros(len(held.names), 4, dtype=torch.int64)
+    for names, rows in groups:
+        out[[index[n] for n in names]] = rows.cpu()
     return out
 
 
-def _slot(module: str, slots: Mapping[str, LoraSlot]) -> LoraSlot:
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """[k, 4] sums of (A, B) pairs given as [A0, B0, A1, B1, ...]."""
+    return torch.stack([t.to(tensors[0].device) for t in fingerprint_sums_many(tensors)]).reshape(-1, 4)
+
+
+def _slot(module: str, slots: Mapping[str, tuple]) -> tuple:
     if module not in slots:
         raise SyncError(
             f"adapter module '{module}' has no LoRA slot in vLLM (its LoRA modules are e.g. "
@@ -115,10 +132,11 @@ def _slot(module: str, slots: Mapping[str, LoraSlot]) -> LoraSlot:
 
 def _expert_stack_rows(ab, wrapper, adapter_config, layout, slots, tp_rank, tp_size):
     """Per projection of one PEFT expert stack: (the vLLM slot of each expert this rank holds,
-    [n, 2] fingerprint sums of their A, the same of their B), as vLLM's loader would store them."""
+    [n, 4] fingerprint sums of their A and B), as vLLM's loader would store them."""
     if set(ab) != {"A", "B"}:
         raise SyncError(f"expert stack '{wrapper.module}' has lora_{''.join(ab)} but not both factors")
     stem = experts_module(wrapper.module)
+    out = []
     for proj, a_all, b_all in stacked_expert_factors(ab["A"].detach(), ab["B"].detach(), wrapper):
         names = [layout.module_of(f"{stem}.{e}.{proj}.lora_A.weight")[0] for e in range(wrapper.num_experts)]
         mine = [e for e, n in enumerate(names) if n in slots]
@@ -126,21 +144,22 @@ def _expert_stack_rows(ab, wrapper, adapter_config, layout, slots, tp_rank, tp_s
             if _other_ranks_expert(names[0], slots):
                 continue  # expert parallelism: another rank holds (and checks) these experts
             _slot(names[0], slots)
-        slot = slots[names[mine[0]]]
-        a = _tp_shard(a_all[mine], 2, slot.a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
-        b = _tp_shard(b_all[mine], 1, slot.b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
+        a_shape, b_shape = slots[names[mine[0]]]
+        a = _tp_shard(a_all[mine], 2, a_shape[1], tp_rank, tp_size).to(layout.lora_dtype)
+        b = _tp_shard(b_all[mine], 1, b_shape[0], tp_rank, tp_size).to(layout.lora_dtype)
         scaling = layout.scaling_of(adapter_config, _PEFT_MODULE.sub("", f"{stem}.0.{proj}.lora_A.weight"))
         if scaling != 1:
             b = b * scaling  # in the LoRA dtype, as vLLM's LoRALayerWeights.optimize does
-        if b.shape[2] < slot.b_shape[1]:
-            b = torch.nn.functional.pad(b, (0, slot.b_shape[1] - b.shape[2]))
-        yield [names[e] for e in mine], fingerprint_rows(a), fingerprint_rows(b)
+        if b.shape[2] < b_shape[1]:
+            b = torch.nn.functional.pad(b, (0, b_shape[1] - b.shape[2]))
+        out.append(([names[e] for e in mine], torch.cat([fingerprint_rows(a), fingerprint_rows(b)], 1)))
+    return out
 
 
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
 
 
-def _other_ranks_expert(module: str, slots: Mapping[str, LoraSlot]) -> bool:
+def _other_ranks_expert(module: str, slots: Mapping[str, tuple]) -> bool:
     """An expert projection this rank has no slot for while it holds other experts of that layer."""
     match = _EXPERT.match(module)
     return match is not None and any(s.startswith(match["experts"] + ".") for s in slots)
@@ -179,40 +198,30 @@ def _pattern(pattern: dict, name: str):
     return None
 
 
-def check_adapter_slots(
-    expected: Mapping[str, tuple[Fingerprint, Fingerprint]], held: Mapping[str, LoraSlot], rank: int | None = None
-) -> float:
-    """1.0 when every slot vLLM holds matches; otherwise a SyncError naming the first module."""
-    who = "" if rank is None else f"rank {rank}: "
-    for module in sorted(expected):
-        want_a, want_b = expected[module]
-        slot = held.get(module)
-        if slot is None:
-            raise SyncError(f"{who}after the sync vLLM holds no LoRA slot for '{module}'")
-        for part, want, got in (("lora_A", want_a, slot.a), ("lora_B", want_b, slot.b)):
-            if want != got:
-                state = "zeros" if got == ZERO else "other values"
-                raise SyncError(
-                    f"{who}after the sync vLLM's {part} of '{module}' differs from what the trainer sent "
-                    f"(it holds {state}; {len(expected)} modules checked); the rollout is not using the trained adapter"
-                )
-    return 1.0
+def check_adapter_sums(expected: Tensor, held: HeldSlots, rank: int | None = None) -> float:
+    """1.0 when every slot vLLM holds matches; otherwise a SyncError naming the first (by name)."""
+    bad = (expected != held.sums).any(1).nonzero().flatten().tolist()
+    if not bad:
+        return 1.0
+    i = min(bad, key=lambda j: held.names[j])
+    part, cols = (
+        ("lora_A", slice(0, 2)) if bool((expected[i, :2] != held.sums[i, :2]).any()) else ("lora_B", slice(2, 4))
+    )
+    state = "other values" if bool(held.sums[i, cols].any()) else "zeros"
+    raise SyncError(
+        f"{'' if rank is None else f'rank {rank}: '}after the sync vLLM's {part} of '{held.names[i]}' differs from "
+        f"what the trainer sent (it holds {state}; {len(held.names)} modules checked); the rollout is not using the "
+        "trained adapter"
+    )
 
 
 def verify_adapter(rollout, payload, rank: int | None = None) -> float:
     """The exact check after an adapter sync: 1.0, or a SyncError naming the first module that
     differs. `rollout` is a lorarl VLLMRollout, `payload` the adapter WeightPayload it was sent."""
-    held = rollout.held_adapter_slots()
-    expected = expected_adapter_slots(
-        payload.tensors,
-        payload.adapter_config,
-        rollout.adapter_layout(),
-        held,
-        rollout.tp_rank,
-        rollout.tp_size,
-        payload.experts,
-    )
-    return check_adapter_slots(expected, held, rank)
+    held = rollout.held_adapter_sums()
+    layout = rollout.adapter_layout()
+    args = (payload.adapter_config, layout, held, rollout.tp_rank, rollout.tp_size, payload.experts)
+    return check_adapter_sums(expected_adapter_sums(payload.tensors, *args), held, rank)
 
 
 def verify_weights(rollout, rank: int | None = None) -> tuple[float, int]:
