@@ -49,7 +49,8 @@ def slot_sources(
     scaled (views of the sent tensors where no cast or scaling is needed)."""
     pairs: dict[str, dict[str, Tensor]] = {}
     for name, tensor in tensors:
-        pairs.setdefault(name.removesuffix(".weight").rpartition(".lora_")[0], {})[name[-8]] = tensor
+        stem, _, ab = name.removesuffix(".weight").rpartition(".lora_")  # ab: "A" or "B"
+        pairs.setdefault(stem, {})[ab] = tensor
     out: Sources = {}
     for stem, ab in pairs.items():
         wrapper = experts.get(stem)
