@@ -3,8 +3,9 @@
 Off by default (null) and never for training: each fault is one of the export bugs LoRA-to-vLLM
 sync code has shipped, so a run can show that the sync checks stop it at the first sync, naming
 the place. They act on the payload as sent (PEFT names; experts in PEFT's stacks, or per expert
-from Megatron), after the export and before the rollout loads it, except `trainer_scaling`, which changes the trainer's
-own scaling of one module after the adapter was made (a fault no check was written around).
+from Megatron), after the export and before the rollout loads it, except `trainer_scaling`, which
+changes the trainer's own scaling of one module after the adapter was made (a fault no check was
+written around).
 In merged mode (`model.lora.merge=true`) the same faults act on the merged weights instead
 (lorarl.sync.faults_merged).
 
