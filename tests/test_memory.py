@@ -128,6 +128,10 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
     # Whichever worker says it, the merged report carries it.
     quiet = SyncReport("adapter", 0, 0, 0.0, 0.0, 0.0, 0.0)
     assert SyncReport.merge([quiet, dataclasses.replace(quiet, sleep_plan=kept)]).sleep_plan == kept
+    # With the plan goes whether vLLM now sleeps: the trainer's off-policy overlap follows it.
+    merged = SyncReport.merge([quiet, dataclasses.replace(quiet, sleep_plan=woke, rollout_sleeps=False)])
+    assert merged.sleep_plan == woke and merged.rollout_sleeps is False
+    assert SyncReport.merge([quiet, quiet]).rollout_sleeps is None
 
 
 def test_the_largest_micro_batch_a_run_allows():

@@ -243,6 +243,7 @@ class SyncReport:
     # A changed sleep plan, taking effect at the next update, or the measured reason a sleep is
     # kept (said once): on the console, not logged.
     sleep_plan: str | None = None
+    rollout_sleeps: bool | None = None  # with a changed plan: whether vLLM now sleeps during the update
 
     @classmethod
     def of(cls, stats: list[SyncStats], num_adapters: int) -> SyncReport:
@@ -266,6 +267,7 @@ class SyncReport:
         worst = {
             "num_adapters": max(r.num_adapters for r in reports),
             "sleep_plan": next((r.sleep_plan for r in reports if r.sleep_plan), None),
+            "rollout_sleeps": next((r.rollout_sleeps for r in reports if r.sleep_plan), None),
         }
         if first.logprob_diff_max is not None:
             worst["logprob_diff_max"] = max(r.logprob_diff_max for r in reports)

@@ -30,6 +30,23 @@ def staleness(step: int, version: int, bound: int) -> int:
     return behind
 
 
+def overlap_plan(off_policy_steps: int, rollout_sleeps: bool, step: int) -> tuple[bool, str]:
+    """Whether generation runs beside the update from step `step` + 1 on, and the line that says
+    so. vLLM must stay awake for it. A plan that sleeps it (the estimate at start-up, or
+    rollout.free_cache_engine=true) keeps the run on-policy; the plan that the first measured
+    update changes to awake turns the overlap on for the steps after it."""
+    setting = f"trainer.off_policy_steps={off_policy_steps}"
+    if rollout_sleeps:
+        return False, (
+            f"{setting}: vLLM sleeps during the update (the plan above), so generation cannot run beside it; "
+            "the run is on-policy while it sleeps"
+        )
+    return True, (
+        f"{setting}: vLLM stays awake from step {step + 1}, so step {step + 2}'s batch is generated during "
+        f"step {step + 1}'s update"
+    )
+
+
 @dataclass
 class BatchAhead:
     """A step's batch generated during the previous update: its prompt groups (trainer.PromptGroup),

@@ -40,7 +40,7 @@ from lorarl.messages import (
     UpdateRequest,
     reduce_metrics,
 )
-from lorarl.off_policy import Ahead, BatchAhead, staleness
+from lorarl.off_policy import Ahead, BatchAhead, overlap_plan, staleness
 from lorarl.tracking import Tracker, console, redact
 
 # Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
@@ -152,12 +152,9 @@ class GRPOTrainer:
                 "probe check each sync"
             )
         if tc.off_policy_steps:
-            self.overlap = not self.workers.rollout_sleeps
+            self.overlap, line = overlap_plan(tc.off_policy_steps, self.workers.rollout_sleeps, self.step)
             if not self.overlap:
-                say(
-                    f"trainer.off_policy_steps={tc.off_policy_steps}: vLLM sleeps during the update (the plan above), "
-                    "so generation cannot run beside it; this run stays on-policy"
-                )
+                say(line)
         resumed = self.resume_from is not None
         if resumed:
             self.load_checkpoint(self.resume_from)
@@ -202,6 +199,9 @@ class GRPOTrainer:
                 raise type(err)(self._stopped_at(err)) from err
             if sync.sleep_plan:
                 say(f"step {self.step}: from the next step the {sync.sleep_plan}")
+                if tc.off_policy_steps and not self.overlap and sync.rollout_sleeps is False:
+                    self.overlap, line = overlap_plan(tc.off_policy_steps, False, self.step)
+                    say(line)
             self.log({**pending, **metrics}, step=self.step)
             pending = {}
             last_reward = metrics[keys.REWARD_MEAN.key]

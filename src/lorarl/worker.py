@@ -302,6 +302,8 @@ class Worker:
             report.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.
         report.sleep_plan = self.sleep.replan()
+        if report.sleep_plan:
+            report.rollout_sleeps = self.sleep.sleeps
         self.adapter_version = request.step if request.version is None else request.version
         return report
 
