@@ -106,21 +106,30 @@ def tiny_model(cache: Path) -> Path:
     return ensure_tiny_model(cache / "qwen2_tiny", seed=0)
 
 
-def shaped_model_path(cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16") -> Path:
+def shaped_model_path(
+    cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", token_share: bool = False
+) -> Path:
     """Where shaped_model puts (or has put) that model; complete once SHAPED_MODEL_DONE is in it."""
     depth = SHAPES[shape]["num_hidden_layers"] if layers is None else layers
-    return cache / "bench" / f"{shape.replace('.', '_')}_shape_l{depth}_{dtype}"
+    return cache / "bench" / f"{shape.replace('.', '_')}_shape_l{depth}_{dtype}{'_token_share' if token_share else ''}"
 
 
 SHAPED_MODEL_DONE = "bench_model.json"
 
 
 def shaped_model(
-    cache: Path, shape: str, layers: int | None = None, dtype: str = "bfloat16", device: str = "cpu"
+    cache: Path,
+    shape: str,
+    layers: int | None = None,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    token_share: bool = False,
 ) -> Path:
     """A random model with a real Qwen2.5/Qwen3 shape (optionally fewer decoder layers), saved as
     safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
-    Built once per (shape, layers, dtype) under <cache>/bench/; `device` only speeds up init."""
+    Built once per (shape, layers, dtype, token_share) under <cache>/bench/; `device` only speeds
+    up init. `token_share`: the output layer gives data=token_share's subset a direction
+    (lorarl.data.token_share.give_subset_a_direction), so its reward can climb."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -131,7 +140,7 @@ def shaped_model(
     dims.setdefault("head_dim", dims["hidden_size"] // dims["num_attention_heads"])
     if layers is not None:
         dims["num_hidden_layers"] = layers
-    path = shaped_model_path(cache, shape, layers, dtype)
+    path = shaped_model_path(cache, shape, layers, dtype, token_share)
     done = path / SHAPED_MODEL_DONE
     if done.is_file():
         return path
@@ -152,12 +161,18 @@ def shaped_model(
             model = model_cls(config)
     finally:
         torch.set_default_dtype(default)
+    if token_share:
+        from lorarl.data.token_share import give_subset_a_direction
+
+        give_subset_a_direction(model.get_output_embeddings().weight)
     model.config.dtype = dtype
     tmp = path.with_name(path.name + ".tmp")
     model.to("cpu").save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
-    (tmp / SHAPED_MODEL_DONE).write_text(json.dumps({"shape": shape, "dims": dims, "dtype": dtype, "params": n_params}))
+    (tmp / SHAPED_MODEL_DONE).write_text(
+        json.dumps({"shape": shape, "dims": dims, "dtype": dtype, "params": n_params, "token_share": token_share})
+    )
     del model
     if path.exists():
         import shutil

@@ -40,6 +40,37 @@ def test_subset_0_is_pinned_and_leaves_out_the_ids_that_end_a_response():
     assert not any(token_share.in_subset(i, task.SUBSET_SEED) for i in QWEN_SPECIAL_IDS)
 
 
+def test_the_subset_direction_lets_one_hidden_shift_raise_the_whole_subset():
+    """A random output layer with Qwen's vocabulary, the subset given its direction: only the
+    subset's rows move, all by one vector of the rows' mean norm; at random hidden states the
+    subset still holds about 1/8 of the probability, and a shift of half the hidden norm along
+    the direction gives it most. Without the direction, the same shift along the subset's own
+    mean row (the best one direction can do) leaves it near 1/8."""
+    import torch
+
+    torch.manual_seed(0)
+    plain = torch.randn(151936, 256) * 0.02
+    weight = plain.clone()
+    task.give_subset_a_direction(weight)
+    subset = torch.tensor([token_share.in_subset(i, task.SUBSET_SEED) for i in range(len(plain))])
+    moved = weight - plain
+    assert torch.equal(moved.abs().sum(dim=1) > 0, subset)
+    shared = moved[subset][0]
+    assert torch.allclose(moved[subset], shared.expand(int(subset.sum()), -1))
+    assert abs(shared.norm() / plain.norm(dim=1).mean() - 1.0) < 1e-4
+
+    hidden = torch.randn(128, 256)  # after the final RMSNorm: entries of about 1
+    shift = 0.5 * 256**0.5
+
+    def subset_mass(w: torch.Tensor, h: torch.Tensor) -> float:
+        return float(torch.softmax(h @ w.T, dim=-1)[:, subset].sum(dim=-1).mean())
+
+    best_plain = plain[subset].mean(0) - plain.mean(0)
+    assert abs(subset_mass(weight, hidden) - 1 / 8) < 0.02
+    assert subset_mass(weight, hidden + shift * shared / shared.norm()) > 0.5
+    assert subset_mass(plain, hidden + shift * best_plain / best_plain.norm()) < 0.14
+
+
 def test_score_is_the_share_of_subset_ids():
     members = SUBSET_0_BELOW_64
     assert token_share.score(members[:3] + [0], "0") == 0.75

@@ -24,16 +24,16 @@ if [ "${SHAPE:-gpu}" = tiny ]; then
   ARGS=(model=qwen2_tiny data.train_batch_size=8 actor.ppo_mini_batch_size=8 data.max_response_length=16
         actor.optim.lr=${LR:-2e-3} trainer.total_steps=${STEPS:-12})
 else
-  M=$($PY -c "from pathlib import Path; from bench.common import shaped_model as s; print(s(Path('$LORARL_CACHE'), 'qwen2.5-7b', device='cuda'))" | tail -1)
+  M=$($PY -c "from pathlib import Path; from bench.common import shaped_model as s; print(s(Path('$LORARL_CACHE'), 'qwen2.5-7b', device='cuda', token_share=True))" | tail -1)
   [ -d "$M" ] || exit 1
   INFO=$M/bench_model.json
-  # lr 5e-4: at 1e-4 the 7B adapter's effect on the probe grew by ~0.003 nats a step (0.055 -> 0.114
-  # in 20 steps) against 0.05 of trainer-vLLM noise, and the reward stayed flat
-  # (tests/gpu_logs/dense); 5x the step size is what 10x the noise needs in 20 steps.
+  # lr 1e-3: on one H100 it moved the probe's adapter effect to 1.4 nats in 20 steps against 0.04
+  # of trainer-vLLM noise (at 1e-4: 0.11 against 0.05, tests/gpu_logs/dense). token_share=True:
+  # without the subset's direction the reward stayed at 0.125 however far the adapter moved.
   # backend.liger_kernel=false: the run measures the sync and its checks, not the loss kernel, and
   # needs only vLLM, transformers and PEFT on the machine.
   ARGS=(model=qwen2_5_7b_instruct backend.liger_kernel=false rollout.enforce_eager=false data.train_batch_size=${PROMPTS:-16} rollout.n=8
-        actor.ppo_mini_batch_size=${PROMPTS:-16} data.max_response_length=128 actor.optim.lr=${LR:-5e-4}
+        actor.ppo_mini_batch_size=${PROMPTS:-16} data.max_response_length=128 actor.optim.lr=${LR:-1e-3}
         trainer.total_steps=${STEPS:-20})
 fi
 RUN=/tmp/dense_run_$(date +%H%M%S)

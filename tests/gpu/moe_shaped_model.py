@@ -4,8 +4,10 @@
 
 The config values are Qwen/Qwen3-30B-A3B's config.json (hard-coded: the GPU machine has no
 network); only num_hidden_layers may be lowered. The tokenizer is the embedded tiny model's
-(ids < 512 are valid in any Qwen vocabulary), so the embedded arithmetic task feeds it.
-`--tiny` keeps the layout at CPU size (the same script exercised on CPU).
+(ids < 512 are valid in any Qwen vocabulary), so the embedded arithmetic task feeds it. The output
+layer gives data=token_share's subset a direction (lorarl.data.token_share.give_subset_a_direction),
+so that task's reward can climb. `--tiny` keeps the layout at CPU size (the same script exercised
+on CPU).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def build(out: Path, layers: int, device: str, tiny: bool) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from lorarl.data.token_share import give_subset_a_direction
     from lorarl.models.tiny import build_tokenizer
 
     if (out / DONE).is_file():
@@ -73,6 +76,7 @@ def build(out: Path, layers: int, device: str, tiny: bool) -> Path:
             model = Qwen3MoeForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
+    give_subset_a_direction(model.get_output_embeddings().weight)
     model.config.dtype = "bfloat16"
     tmp = out.with_name(out.name + ".tmp")
     # Saved from where it was built: safetensors copies one tensor at a time to host memory, so a
@@ -80,7 +84,7 @@ def build(out: Path, layers: int, device: str, tiny: bool) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     params = sum(p.numel() for p in model.parameters())
-    (tmp / DONE).write_text(json.dumps({"dims": dims, "params": params, "dtype": "bfloat16"}))
+    (tmp / DONE).write_text(json.dumps({"dims": dims, "params": params, "dtype": "bfloat16", "token_share": True}))
     tmp.rename(out)
     return out
 

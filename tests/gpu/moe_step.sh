@@ -14,7 +14,9 @@
 # GPU_UTIL=0.5 (69.5 GiB: the weights plus ~10 GiB of KV cache and graphs), leaving ~65 GiB for the
 # LoRA state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters in fp32 with gradients and Adam)
 # and the update's activations. Not yet run at 48 layers. With two copies (backend.share_base=false)
-# use LAYERS=32 GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update).
+# use LAYERS=32 GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 (80 GB)
+# LAYERS=24 GPU_UTIL=0.55 ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB);
+# LAYERS=32 at 0.55 left vLLM no room for its KV cache after its 38.9 GiB of weights.
 # If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 48
 #   --device cuda --out /dev/shm/qwen3_30b_a3b_l48   (it is reused while the machine stays up).
 # Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
@@ -35,11 +37,11 @@ if [ "${SHAPE:-gpu}" = tiny ]; then
 else
   M=${MODEL_ROOT:-/dev/shm}/qwen3_30b_a3b_l${LAYERS:-48}
   $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-48}" --device cuda --out "$M" || exit 1
-  # lr 1e-4: on a random Qwen3-0.6B shape (H200, tests/gpu_logs/grpo_loop run6) it moved the probe's
-  # adapter effect from 0.026 to 0.13 in 4 steps against 0.007 of trainer-vLLM noise.
+  # lr 5e-4: on one H100 (24 layers) it moved the probe's adapter effect to 0.99 nats in 14 steps
+  # against 0.008 of trainer-vLLM noise (tests/gpu_logs/moe).
   ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=${GPU_UTIL:-0.5}
         data.train_batch_size=${PROMPTS:-16} rollout.n=8 actor.ppo_mini_batch_size=${PROMPTS:-16}
-        data.max_response_length=128 actor.optim.lr=${LR:-1e-4} trainer.total_steps=${STEPS:-20})
+        data.max_response_length=128 actor.optim.lr=${LR:-5e-4} trainer.total_steps=${STEPS:-20})
 fi
 RUN=/tmp/moe_run_$(date +%H%M%S)
 # Under a time limit; metrics.jsonl is written every step, so a cut run keeps its steps.

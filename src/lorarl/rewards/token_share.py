@@ -2,9 +2,11 @@
 
 It exists to give random-weight models a learning signal. A model with real layer shapes but
 random weights scores 0 on any real task, so every group's rewards are equal, the advantages
-are 0 and the adapter never moves. Here a random model already scores about 1/SUBSET_SHARE, the
-share differs between samples of one group, and raising it only takes moving probability onto
-the subset, which any adapter can do. The subset is defined over token ids, not text: a
+are 0 and the adapter never moves. Here a random model already scores about 1/SUBSET_SHARE and
+the share differs between samples of one group. Raising it takes moving probability onto the
+subset as a whole, which a small vocabulary allows; with Qwen's 152k ids the output layer must
+give the subset a direction first (lorarl.data.token_share.give_subset_a_direction, which the
+GPU shape models get). The subset is defined over token ids, not text: a
 random-weight model with Qwen's 152k-id vocabulary and a small tokenizer mostly samples ids
 the tokenizer cannot decode, so a text reward would see nearly empty strings.
 
