@@ -5,11 +5,7 @@ A step, whichever system ran it: `step_s` and the phases `gen_s` (sampling), `lo
 log-prob passes: reference for KL, old log-probs for a correction that needs them), `update_s`
 (forward + backward + optimizer), `sync_s` (weights into the engine), `sleep_wake_s` (lorarl's
 engine sleep), `other_s` (the rest: rewards, advantages, host work), and `tokens` (real prompt
-+ response tokens).
-
-    mfu_update    = 4 N tokens / (update_s x 989e12)   frozen-base LoRA: forward 2N + activation backward 2N
-    mfu_update_hw = 6 N tokens / (update_s x 989e12)   plus the forward recomputed by checkpointing
-                                                       (runs that checkpoint only)
++ response tokens). The update's MFU: MFU_FORMULA.
 """
 
 from __future__ import annotations
@@ -172,50 +168,9 @@ def pairs(rows: list[dict]) -> list[dict]:
             )
             if entry["trl_step_s"]:
                 entry["speedup"] = entry["trl_step_s"]["median"] / entry["lorarl_step_s"]["median"]
-            entry["variance"] = {"lorarl": variance(mine), "trl": variance(theirs)}
             entry["targets"] = target_check(key[0], entry)
             out.append(entry)
     return out
-
-
-def facts(row: dict) -> dict:
-    """What one run's time and machine were: its phases, the GPU while it ran, the host before it."""
-    during, before = row.get("during") or {}, row.get("before") or {}
-    gpu = before.get("gpu") or {}
-
-    def mid(key: str, part: str = "median") -> float | None:
-        return (during.get(key) or {}).get(part)
-
-    slowed = row.get("clocks_slowed_s")
-    return {
-        "repeat": row["repeat"],
-        "order": row.get("order"),
-        "step_s": row["step_s"],
-        "update_s": row["breakdown"].get("update_s"),
-        "gen_s": row["breakdown"].get("gen_s"),
-        "sm_clock_mhz": mid("clocks.sm"),
-        "sm_clock_min_mhz": mid("clocks.sm", "min"),
-        "temperature_max_c": mid("temperature.gpu", "max"),
-        "power_w": mid("power.draw"),
-        "cpu_busy": mid("cpu_busy"),
-        "loadavg_before": before.get("loadavg_1m"),
-        "python_loop_us_before": before.get("python_loop_us"),
-        "gpu_mib_before": gpu.get("memory.used"),
-        "clock_reasons_before": gpu.get("clock_reasons"),
-        # Seconds the driver held the clocks down during the run (power cap, thermal, ...), summed.
-        "clocks_slowed_s": sum(slowed.values()) if slowed else None,
-    }
-
-
-def variance(rows: list[dict]) -> dict | None:
-    """The spread of one side's repeats, and the fastest and the slowest run side by side with
-    what the machine did meanwhile: where a slow repeat's time went (update or generation) and
-    whether the GPU clocked lower, ran hotter, or the host was busier."""
-    if not rows:
-        return None
-    steps = [r["step_s"] for r in rows]
-    fast, slow = min(rows, key=lambda r: r["step_s"]), max(rows, key=lambda r: r["step_s"])
-    return {"spread_pct": (max(steps) - min(steps)) / median(steps), "fastest": facts(fast), "slowest": facts(slow)}
 
 
 def target_check(shape: str, entry: dict) -> dict:
@@ -279,33 +234,6 @@ def new_cache_files(row: dict) -> str:
     after = (row.get("after") or {}).get("kernel_cache_files") or {}
     grown = {k: after[k] - before[k] for k in after if k in before and after[k] > before[k]}
     return ", ".join(f"{k} +{n}" for k, n in grown.items())
-
-
-def variance_lines(entries: list[dict]) -> list[str]:
-    lines = _table(
-        ["pair", "side", "spread", "run", "step s", "update s", "gen s", "SM MHz median (min)", "temp max C"]
-        + ["power W", "clocks slowed s", "CPU busy", "load before", "host loop us before", "GPU MiB before"]
-    )
-    trl_shown = set()  # TRL's runs are the same for every lorarl arm of a pair: shown once
-    for e in entries:
-        pair = f"{e['shape']} KL {'on' if e['kl'] else 'off'} {e['correction']}"
-        for side, v in e["variance"].items():
-            repeats = (e["lorarl_step_s"] if side == "lorarl" else e["trl_step_s"] or {"n": 0})["n"]
-            if not v or repeats < 2 or (side == "trl" and pair in trl_shown):
-                continue
-            if side == "trl":
-                trl_shown.add(pair)
-            for label in ("fastest", "slowest"):
-                f = v[label]
-                lines.append(
-                    f"| {pair} | {e['arm'] if side == 'lorarl' else 'trl'} | "
-                    f"{v['spread_pct']:.0%} | {label} (r{f['repeat']}, #{fmt(f['order'], 0)}) | {fmt(f['step_s'])} | "
-                    f"{fmt(f['update_s'])} | {fmt(f['gen_s'])} | {fmt(f['sm_clock_mhz'], 0)} "
-                    f"({fmt(f['sm_clock_min_mhz'], 0)}) | {fmt(f['temperature_max_c'], 0)} | {fmt(f['power_w'], 0)} | "
-                    f"{fmt(f['clocks_slowed_s'])} | {fmt(f['cpu_busy'])} | {fmt(f['loadavg_before'])} | "
-                    f"{fmt(f.get('python_loop_us_before'), 3)} | {fmt(f['gpu_mib_before'], 0)} |"
-                )
-    return lines
 
 
 def _machine(row: dict) -> str:
@@ -393,10 +321,6 @@ def markdown(result: dict) -> str:
         "## Equal-algorithm pairs",
         "",
         *pair_lines(result["pairs"]),
-        "",
-        "## Variance: each side's fastest and slowest repeat",
-        "",
-        *variance_lines(result["pairs"]),
         "",
         "## Runs, in the order they ran",
         "",

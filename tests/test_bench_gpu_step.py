@@ -253,20 +253,14 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
     assert row["mfu_update_hw"] is None
     assert step_row(steps, n_params, recomputes=True)["mfu_update_hw"] == pytest.approx(1.5 * row["mfu_update"])
     assert uncorrected["targets"]["speedup"]["met"] is False
-    spread = uncorrected["variance"]["lorarl"]
-    assert spread["spread_pct"] == pytest.approx((2.5 - 1.9) / 2.0)
-    assert (spread["fastest"]["repeat"], spread["slowest"]["repeat"]) == (3, 2)
-    assert spread["slowest"]["update_s"] == pytest.approx(0.6) and spread["slowest"]["sm_clock_mhz"] is None
     report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [uncorrected],
                        "step_compare": rows})  # fmt: skip
     assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
-    assert "slowest (r2, #-)" in report
-    # A variance row names its arm: several lorarl arms of a pair share TRL's rows, shown once.
+    # Several lorarl arms of a pair: a row each against the same TRL runs.
     report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "step_compare": rows,
                        "pairs": [uncorrected, {**uncorrected, "arm": "lorarl-fsdp-adapter-keep"}]})  # fmt: skip
-    for side, n in (("lorarl-fsdp-adapter", 2), ("lorarl-fsdp-adapter-keep", 2), ("trl", 2)):
-        assert report.count(f"| 0.5b KL off none | {side} | ") == n
-    for table in report.split("\n## ")[1:3]:  # every row of the pair and variance tables has the header's columns
+    assert "| lorarl-fsdp-adapter | 2.00" in report and "| lorarl-fsdp-adapter-keep | 2.00" in report
+    for table in report.split("\n## ")[1:3]:  # every row of the pair and runs tables has the header's columns
         lines = [line for line in table.splitlines() if line.startswith("|")]
         assert len(lines) > 2 and {line.count("|") for line in lines} == {lines[0].count("|")}
 
