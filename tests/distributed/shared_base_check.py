@@ -122,6 +122,9 @@ def main(model_path: str, out: str, fault: str | None) -> None:
         }
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "result.json").write_text(json.dumps(result, indent=1))
+    # Both ranks leave together: rank 1 tearing gloo down while rank 0 still writes aborted rank 0
+    # at exit once ("terminate called without an active exception", exit -6).
+    dist.barrier()
     dist.destroy_process_group()
 
 
