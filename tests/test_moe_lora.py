@@ -175,14 +175,13 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     args = vllm_engine_args.build(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, on_cpu=True)
     with VLLMRollout(args, adapter_transport="memory") as rollout:
         rollout.apply(payload)
-        held = rollout.held_adapter_slots()
+        held = rollout.held_adapter_sums().shapes  # slot name -> (A shape, B shape)
         for layer in range(hf["num_hidden_layers"]):
             for e in range(experts):
                 stem = f"model.layers.{layer}.mlp.experts.{e}"
-                assert held[f"{stem}.gate_proj"].a_shape == (1, hidden)
-                assert held[f"{stem}.up_proj"].b_shape == (width, 1)
-                assert held[f"{stem}.down_proj"].a_shape == (1, width)
-                assert held[f"{stem}.down_proj"].b_shape == (hidden, 1)
+                assert held[f"{stem}.gate_proj"][0] == (1, hidden)
+                assert held[f"{stem}.up_proj"][1] == (width, 1)
+                assert held[f"{stem}.down_proj"] == ((1, width), (hidden, 1))
         # Every tensor the trainer sent names a slot vLLM holds, and all of them match exactly.
         layout = rollout.adapter_layout()
         assert {layout.module_of(name)[0] for name in tensors} <= set(held)
@@ -245,10 +244,11 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
         assert transport.verify_adapter(rollout, first) == 1.0
         rollout.apply(second)
         assert rollout._writes_in_place is True
-        written = rollout.held_adapter_slots()
+        written = rollout.held_adapter_sums()
         assert transport.verify_adapter(rollout, second) == 1.0
         rollout.load_through_vllm(dict(second.tensors), second.adapter_config, wrappers)
-        assert rollout.held_adapter_slots() == written
+        loaded = rollout.held_adapter_sums()
+        assert loaded.names == written.names and torch.equal(loaded.sums, written.sums)
 
         real = vllm_lora_write.slot_sources
 

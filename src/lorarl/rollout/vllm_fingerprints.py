@@ -10,7 +10,7 @@ from lorarl.errors import SyncError
 from lorarl.rollout import vllm_lora_slots, vllm_weights, vllm_worker
 from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
 from lorarl.sync.fingerprint import Fingerprint, combine, resolve
-from lorarl.sync.transport import AdapterLayout, HeldSlots, LoraSlot
+from lorarl.sync.transport import AdapterLayout, HeldSlots
 
 ADAPTER_ID = 1
 
@@ -52,10 +52,6 @@ class FingerprintReads:
         if not self.has_adapter:
             raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
         return self.run_in_worker(vllm_lora_slots.adapter_slot_sums, ADAPTER_ID)
-
-    def held_adapter_slots(self) -> dict[str, LoraSlot]:
-        """The same, as one LoraSlot per module part."""
-        return self.held_adapter_sums().slots()
 
     def lora_projections(self, wanted: dict[str, tuple[int, int, int]]) -> tuple[Tensor, Tensor, list[str]]:
         """The semantic check's observed side, whole: per wanted vLLM slot name (-> row, full out,

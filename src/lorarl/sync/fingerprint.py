@@ -116,14 +116,6 @@ def fingerprint_rows(stacked: Tensor) -> Tensor:
     return _row_sums(t.view(_BITS[t.dtype]).reshape(t.shape[0], -1))
 
 
-def resolve_rows(rows: list[Tensor]) -> list[Fingerprint]:
-    """Fingerprints of `fingerprint_rows` results (each [n, 2], one device), one host transfer."""
-    if not rows:
-        return []
-    values = torch.cat([r.to(rows[0].device) for r in rows]).tolist()
-    return [Fingerprint(_wrap(total), _wrap(weighted)) for total, weighted in values]
-
-
 def resolve(sums: list[Tensor]) -> list[Fingerprint]:
     """Fingerprints of `fingerprint_sums` results, one host transfer per device."""
     out: list[Fingerprint | None] = [None] * len(sums)

@@ -21,18 +21,7 @@ from torch import Tensor
 
 from lorarl.errors import SyncError
 from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
-from lorarl.sync.fingerprint import Fingerprint, fingerprint_rows, fingerprint_sums_many, resolve_rows
-
-
-@dataclass(frozen=True)
-class LoraSlot:
-    """One LoRA slot vLLM holds for a (possibly fused) module's part: stacked A and B regions."""
-
-    module: str  # vLLM-side module name of the part, e.g. model.layers.0.self_attn.q_proj
-    a_shape: tuple[int, int]  # (max_lora_rank, in)
-    b_shape: tuple[int, int]  # (out, max_lora_rank)
-    a: Fingerprint
-    b: Fingerprint
+from lorarl.sync.fingerprint import fingerprint_rows, fingerprint_sums_many
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,11 +33,6 @@ class HeldSlots:
     names: list[str]
     shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]
     sums: Tensor
-
-    def slots(self) -> dict[str, LoraSlot]:
-        """The same, one LoraSlot per name."""
-        fps = iter(resolve_rows([self.sums.reshape(-1, 2)]))
-        return {name: LoraSlot(name, *self.shapes[name], next(fps), next(fps)) for name in self.names}
 
 
 @dataclass(frozen=True)
