@@ -25,46 +25,39 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Shapes of the real Qwen2.5 configs (random weights stand in for the real ones). head_dim is
+# Shapes of the real Qwen2.5/Qwen3 configs (random weights stand in for the real ones). head_dim is
 # 128 at 7B and 64 at 0.5B; 64 is also what vLLM's CPU attention needs.
+# fmt: off
 SHAPES = {
     "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
+        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+        num_hidden_layers=24, vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     ),
     "qwen2.5-7b": dict(
-        hidden_size=3584,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
+        hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+        num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     ),
     # Qwen3: q_norm/k_norm per head, no q/k/v bias; head_dim 128 is not hidden / heads.
     "qwen3-0.6b": dict(
-        model_type="qwen3",
-        hidden_size=1024,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
+        model_type="qwen3", hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, num_hidden_layers=28, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    ),
+    # Qwen/Qwen3-30B-A3B's config.json (hard-coded: the GPU machine has no network): 128 experts of
+    # width 768, top-8 routing; 30.5B parameters, 3.3B active per token; 61 GB in bf16.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     ),
 }
+# The same MoE layout at CPU size: tests/gpu/moe_step.sh exercised off the GPU.
+SHAPES["qwen3-moe-tiny"] = dict(
+    SHAPES["qwen3-30b-a3b"], hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, vocab_size=512,
+)
+# fmt: on
 
 
 def tail(text: str, lines: int = 40, chars: int = 4000) -> str:
@@ -125,18 +118,18 @@ def shaped_model(
     device: str = "cpu",
     token_share: bool = False,
 ) -> Path:
-    """A random model with a real Qwen2.5/Qwen3 shape (optionally fewer decoder layers), saved as
+    """A random model with a real Qwen2.5/Qwen3/Qwen3-MoE shape (optionally fewer decoder layers), saved as
     safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
     Built once per (shape, layers, dtype, token_share) under <cache>/bench/; `device` only speeds
     up init. `token_share`: the output layer gives data=token_share's subset a direction
     (lorarl.data.token_share.give_subset_a_direction), so its reward can climb."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     dims = dict(SHAPES[shape])
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
-        dims.pop("model_type", "qwen2")
-    ]
+    family = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[dims.pop("model_type", "qwen2")]
+    config_cls, model_cls = (getattr(transformers, family + suffix) for suffix in ("Config", "ForCausalLM"))
     dims.setdefault("head_dim", dims["hidden_size"] // dims["num_attention_heads"])
     if layers is not None:
         dims["num_hidden_layers"] = layers
@@ -167,7 +160,9 @@ def shaped_model(
         give_subset_a_direction(model.get_output_embeddings().weight)
     model.config.dtype = dtype
     tmp = path.with_name(path.name + ".tmp")
-    model.to("cpu").save_pretrained(tmp, safe_serialization=True)
+    # Saved from where it was built: safetensors copies one tensor at a time to host memory, so a
+    # 61 GB model never needs a second whole copy in RAM (its cache may be /dev/shm).
+    model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     (tmp / SHAPED_MODEL_DONE).write_text(
@@ -182,14 +177,14 @@ def shaped_model(
     return path
 
 
-def model_in_subprocess(shape: str | None, cache: Path, device: str) -> tuple[Path, float]:
-    """(path, seconds spent building) of shaped_model(cache, shape), or of the tiny model for None,
-    built in a subprocess so the calling process never holds GPU memory."""
-    if shape is not None and (shaped_model_path(cache, shape) / SHAPED_MODEL_DONE).is_file():
-        return shaped_model_path(cache, shape), 0.0  # built by an earlier command: no torch import
+def model_in_subprocess(shape: str | None, cache: Path, device: str, layers: int | None = None) -> tuple[Path, float]:
+    """(path, seconds spent building) of shaped_model(cache, shape, layers), or of the tiny model
+    for None, built in a subprocess so the calling process never holds GPU memory."""
+    if shape is not None and (shaped_model_path(cache, shape, layers) / SHAPED_MODEL_DONE).is_file():
+        return shaped_model_path(cache, shape, layers), 0.0  # built by an earlier command: no torch import
     t0 = time.perf_counter()
     call = (
-        f"shaped_model(Path({str(cache)!r}), {shape!r}, device={device!r})"
+        f"shaped_model(Path({str(cache)!r}), {shape!r}, {layers!r}, device={device!r})"
         if shape
         else f"tiny_model(Path({str(cache)!r}))"
     )

@@ -55,6 +55,7 @@ class Shape:
 SHAPE_RUNS = {
     "0.5b": Shape("qwen2.5-0.5b", "qwen2_5_0_5b_instruct", 0.4, lorarl_wall_s=125, trl_wall_s=60),
     "7b": Shape("qwen2.5-7b", "qwen2_5_7b_instruct", 0.35, lorarl_wall_s=250, trl_wall_s=135),
+    "30b-a3b": Shape("qwen3-30b-a3b", "qwen3_30b_a3b", 0.5, lorarl_wall_s=420, trl_wall_s=480),
     "tiny": Shape(None, "qwen2_tiny", None, lorarl_wall_s=60, trl_wall_s=40),
 }
 
@@ -317,6 +318,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="alternating lorarl/TRL repeats per pair")
     ap.add_argument("--only", default=None, help="comma list of run names or globs, e.g. 'trl-*-r1'")
     ap.add_argument("--steps", type=int, default=None, help=f"steps per run (default {GPU_WORK.steps})")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of every shape (default: all; 30b-a3b "
+                    "on an H100: 24, with --override rollout.gpu_memory_utilization=0.55)")  # fmt: skip
     ap.add_argument("--run-timeout", type=int, default=420, help="seconds per run")
     ap.add_argument("--budget-s", type=float, default=None, help="wall seconds for the command: a repeat starts "
                     "only if its expected time (this arm's last run here, else the shape's table) still fits")  # fmt: skip
@@ -340,7 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         setattr(args, key, items)
     args.kl = [k == "on" for k in args.kl]
     if any((s == "tiny") != args.cpu_smoke for s in args.shapes):
-        ap.error("--shapes: 0.5b and 7b run on the GPU; tiny only with --cpu-smoke")
+        ap.error("--shapes: 0.5b, 7b and 30b-a3b run on the GPU; tiny only with --cpu-smoke")
     if args.cpu_smoke and "megatron" in args.backends:
         ap.error("--backends megatron needs CUDA (Megatron's forward does); leave it out of --cpu-smoke")
     try:
@@ -416,11 +419,11 @@ def measure(args: argparse.Namespace, run: Run, order: int, models: dict, cache:
     row.update(gpu_memory_used_mib_before=used, gpu_wait_s=waited, before=common.host_state())
     t0 = time.perf_counter()
     try:
-        shape, built = SHAPE_RUNS[run.pair.shape], run.pair.shape not in models
+        shape, built, on = SHAPE_RUNS[run.pair.shape], run.pair.shape not in models, "cpu" if args.cpu_smoke else "cuda"
         if built:
-            models[run.pair.shape] = common.model_in_subprocess(shape.model, cache, "cpu" if args.cpu_smoke else "cuda")
+            models[run.pair.shape] = common.model_in_subprocess(shape.model, cache, on, args.layers)
         model, build_s = models[run.pair.shape]
-        dims = common.SHAPES[shape.model] if shape.model else json.loads((model / "config.json").read_text())
+        dims = json.loads((model / "config.json").read_text())
         row.update(model=str(model), model_build_s=build_s if built else 0.0, n_params=report.param_count(dims))
         with common.Sampler(gpu=not args.cpu_smoke) as sampler:
             res = launch(args, run, model, cache, tmp, row)

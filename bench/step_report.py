@@ -102,11 +102,21 @@ def lorarl_extras(rows: list[dict]) -> dict:
 
 def param_count(dims: dict) -> int:
     """All parameters of a Qwen2 with these config.json dims (q/k/v biases, two norms per layer,
-    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights."""
+    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights.
+    A mixture of experts counts what one token runs through: attention, the router and top-k
+    experts' MLPs (the MFU by 4 x active parameters)."""
     from types import SimpleNamespace
 
     from lorarl.memory import ModelDims, weight_numel
 
+    experts = dims.get("num_experts") or dims.get("num_local_experts")  # Qwen's name, transformers 5's
+    if experts:
+        active = dims["num_experts_per_tok"] * dims["moe_intermediate_size"]
+        dense = {k: v for k, v in dims.items() if k not in ("num_experts", "num_local_experts")}
+        return (
+            param_count({**dense, "intermediate_size": active})
+            + dims["num_hidden_layers"] * dims["hidden_size"] * experts
+        )
     return weight_numel(ModelDims.of(SimpleNamespace(**dims)), tied_head=bool(dims.get("tie_word_embeddings")))
 
 

@@ -77,6 +77,9 @@ def lorarl_options(run_cfg, correction: str, cpu: bool) -> list[str]:
     args = ["--steps", str(run_cfg.trainer.total_steps), "--prompts", str(d.train_batch_size), "--samples", str(r.n)]
     args += ["--max-tokens", str(d.max_response_length), "--device", "cpu" if cpu else "cuda", "--dtype", m.dtype]
     args += ["--rank", str(m.lora.rank), "--alpha", str(m.lora.alpha), "--lr", str(a.optim.lr)]
+    modules = m.lora.target_modules
+    args += ["--target-modules", modules if isinstance(modules, str) else ",".join(modules)]
+    args += ["--target-parameters", ",".join(m.lora.target_parameters)] if m.lora.target_parameters else []
     args += ["--beta", str(a.kl_loss_coef if a.use_kl_loss else 0.0), "--micro-batch", str(micro)]
     args += ["--gradient-checkpointing", "on" if m.enable_gradient_checkpointing else "off"]
     args += ["--max-model-len", str(r.max_model_len or width), "--temperature", str(r.temperature)]
@@ -101,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=int, default=32)
+    ap.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    # A Qwen3-MoE layer has no gate/up/down modules: its experts are fused 3-D parameters, which
+    # PEFT wraps through target_parameters (what lorarl's qwen3_30b_a3b preset targets).
+    ap.add_argument("--target-parameters", default="", help="comma list, e.g. mlp.experts.gate_up_proj")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta", type=float, default=0.001, help="KL coefficient (0: no reference pass)")
     ap.add_argument(
@@ -414,7 +421,10 @@ def main(argv: list[str] | None = None) -> None:
             lora_dropout=0.0,
             bias="none",
             task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            target_modules=args.target_modules
+            if args.target_modules == "all-linear"
+            else args.target_modules.split(","),
+            target_parameters=[name for name in args.target_parameters.split(",") if name] or None,
         ),
         callbacks=[StepTimer()],
     )

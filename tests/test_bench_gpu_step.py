@@ -4,6 +4,7 @@ its --cpu-smoke (tiny model on CPU; the TRL half needs trl, which CI does not in
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -160,6 +161,25 @@ def test_param_count_matches_the_saved_model(tiny_model_path):
 
     config = json.loads((tiny_model_path / "config.json").read_text())
     assert param_count(config) == model_params(tiny_model_path)
+
+
+def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
+    """A MoE's MFU counts the active parameters: every tensor outside the experts, and top-k of E
+    experts' share of the expert stacks, read from the saved model; at Qwen3-30B-A3B's dims, the
+    3.3B active its model card states."""
+    from safetensors import safe_open
+
+    from bench.common import SHAPES, shaped_model
+
+    model = shaped_model(tmp_path, "qwen3-moe-tiny", dtype="float32")
+    config = json.loads((model / "config.json").read_text())
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    numel = {name: math.prod(shape) for name, shape in sizes.items()}
+    experts = sum(n for name, n in numel.items() if ".mlp.experts." in name)
+    share = config["num_experts_per_tok"] / config["num_local_experts"]
+    assert experts and param_count(config) == pytest.approx(sum(numel.values()) - experts + share * experts, abs=3000)
+    assert param_count(SHAPES["qwen3-30b-a3b"]) == pytest.approx(3.3e9, rel=0.03)
 
 
 def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
@@ -338,6 +358,8 @@ def test_each_arm_composes_the_pairs_algorithm_and_trl_copies_it(backend, tmp_pa
     work = {o: args[args.index(o) + 1] for o in ("--prompts", "--samples", "--max-tokens", "--steps")}
     assert work == {"--prompts": "32", "--samples": "8", "--max-tokens": "128", "--steps": "6"}
     assert args[args.index("--vllm-gpu-memory-utilization") + 1] == "0.35"
+    assert args[args.index("--target-modules") + 1] == "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    assert "--target-parameters" not in args  # a dense model: no fused expert parameters
     # The worker takes them as they are (its parser needs no trl).
     parsed = parse_worker_args(["--model", "m", "--train-parquet", "p", "--out", "o", *args])
     assert (parsed.prompts, parsed.n, parsed.micro_batch, parsed.vllm_is_clip_max) == (32, 8, 16, 4.0)

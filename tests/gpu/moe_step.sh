@@ -17,8 +17,8 @@
 # use LAYERS=32 GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 (80 GB)
 # LAYERS=24 GPU_UTIL=0.55 ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB);
 # LAYERS=32 at 0.55 left vLLM no room for its KV cache after its 38.9 GiB of weights.
-# If model build + run exceed one call, build first: python -m tests.gpu.moe_shaped_model --layers 48
-#   --device cuda --out /dev/shm/qwen3_30b_a3b_l48   (it is reused while the machine stays up).
+# If model build + run exceed one call, build first (it is reused while the machine stays up):
+#   python -c "from pathlib import Path; from bench.common import shaped_model as s; s(Path('/dev/shm'), 'qwen3-30b-a3b', device='cuda', token_share=True)"
 # Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
 # mean/std, grad_norm, sync checks, the probe's three numbers, timings; then the verdict: reward
 # rose, every sync check passed, adapter effect >= 10x the probe's noise; tests/gpu/shape_summary.py).
@@ -27,16 +27,18 @@ OUT=${OUT:-/tmp/moe_out}; mkdir -p "$OUT"
 NAME=moe_step${TAG:+_$TAG}
 export PYTHONUNBUFFERED=1 LORARL_CACHE=${LORARL_CACHE:-/tmp/lcache} PYTHONPATH=$(pwd)/src:$(pwd):${PYTHONPATH:-}
 PY=${PYTHON:-python3}
+# The model: bench.common.shaped_model (built once, reused while the machine stays up).
+shaped() { $PY -c "from pathlib import Path; from bench.common import shaped_model as s; print(s(Path('$1'), '$2', $3, device='$4', token_share=True))" | tail -1; }
 if [ "${SHAPE:-gpu}" = tiny ]; then
-  M=$LORARL_CACHE/qwen3_moe_shape_tiny
-  $PY -m tests.gpu.moe_shaped_model --tiny --layers 2 --out "$M" || exit 1
+  M=$(shaped "$LORARL_CACHE" qwen3-moe-tiny 2 cpu)
+  [ -d "$M" ] || exit 1
   # vLLM's CPU build serves no LoRA on MoE layers: merged sync there (docs/moe.md).
   ARGS=(model.dtype=float32 model.lora.merge=true data.train_batch_size=8 rollout.n=8 actor.ppo_mini_batch_size=8
         actor.ppo_micro_batch_size_per_gpu=64 actor.use_dynamic_bsz=false model.enable_gradient_checkpointing=false
         data.max_response_length=16 actor.optim.lr=${LR:-2e-3} trainer.total_steps=${STEPS:-12})
 else
-  M=${MODEL_ROOT:-/dev/shm}/qwen3_30b_a3b_l${LAYERS:-48}
-  $PY -m tests.gpu.moe_shaped_model --layers "${LAYERS:-48}" --device cuda --out "$M" || exit 1
+  M=$(shaped "${MODEL_ROOT:-/dev/shm}" qwen3-30b-a3b "${LAYERS:-48}" cuda)
+  [ -d "$M" ] || exit 1
   # lr 5e-4: on one H100 (24 layers) it moved the probe's adapter effect to 0.99 nats in 14 steps
   # against 0.008 of trainer-vLLM noise (tests/gpu_logs/moe).
   ARGS=(model.lora.merge=false rollout.enforce_eager=false rollout.gpu_memory_utilization=${GPU_UTIL:-0.5}
@@ -51,13 +53,13 @@ timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=fsdp model=qwen3_30b_a3b m
   > "$OUT/$NAME.log" 2>&1
 RC=$?
 echo "lorarl rc=$RC log=$OUT/$NAME.log"
-$PY -m tests.gpu.shape_summary "$RUN" "$OUT/$NAME.json" --log "$OUT/$NAME.log" --rc $RC --model-info "$M/shaped_model.json"
+$PY -m tests.gpu.shape_summary "$RUN" "$OUT/$NAME.json" --log "$OUT/$NAME.log" --rc $RC --model-info "$M/bench_model.json"
 if [ "${SHAPE:-gpu}" != tiny ] && [ "${TRL:-0}" = 1 ]; then
   DATA=$LORARL_CACHE/data/arith_v2_n1024
   $PY -c "from lorarl.data.dataset import ensure_arith_parquet as e; e('$DATA/train.parquet', '$DATA/val.parquet', 1024, 0)"
-  timeout ${TRL_S:-140} $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m tests.gpu.moe_trl_peer \
+  timeout ${TRL_S:-140} $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m bench.trl_grpo_worker \
     --model "$M" --train-parquet "$DATA/train.parquet" --steps ${TRL_STEPS:-4} --prompts ${PROMPTS:-16} --samples 8 --max-tokens 128 --device cuda --dtype bfloat16 \
-    --rank 16 --alpha 32 --lr 1e-5 --beta 0 --micro-batch 32 --vllm-gpu-memory-utilization ${GPU_UTIL:-0.4} \
+    --rank 16 --alpha 32 --target-modules q_proj,k_proj,v_proj,o_proj --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj --lr 1e-5 --beta 0 --micro-batch 32 --vllm-gpu-memory-utilization ${GPU_UTIL:-0.4} \
     --max-model-len 512 --out "$OUT/trl_moe.json" > "$OUT/trl_moe.log" 2>&1
   echo "trl rc=$? log=$OUT/trl_moe.log"
 fi
