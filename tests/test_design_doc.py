@@ -1,7 +1,8 @@
-"""docs/design.md's step trace names files and functions that exist."""
+"""docs/design.md's step trace names files and functions that exist; modules and functions stay small."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -55,3 +56,18 @@ def test_a_renamed_function_fails():
         resolve("trainer.py", "GRPOTrainer.run_step")
     with pytest.raises(ImportError):
         resolve("sync/gone.py", "verify")
+
+
+def test_modules_and_functions_stay_small():
+    """The project's size rule: no module of src/, recipes/ or bench/ over 500 lines, no function
+    over 100."""
+    too_long = []
+    for path in sorted(p for d in ("src", "recipes", "bench") for p in (ROOT / d).rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(ROOT)
+        if text.count("\n") > 500:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                too_long.append(f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long

@@ -5,7 +5,8 @@ base keeps its load dtype while LoRA weights and optimizer state stay float32 (F
 asks trainable params to share a dtype). The reference policy is this same model under
 `disable_adapter()`: no second model is built.
 
-Export is explicit: `export(kind)` returns a `WeightPayload` whose kind the caller chose. Adapter tensors can be gathered two ways:
+Export is explicit: `export(kind)` returns a `WeightPayload` whose kind the caller chose.
+Adapter tensors can be gathered two ways:
 - bucketed (default): one all-gather of every rank's local LoRA shards, never touching base
   weights;
 - layered (`rollout.layered_summon`): unshard one FSDP unit at a time, copy its LoRA params.
@@ -26,12 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms import losses
 from lorarl.algorithms.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
-from lorarl.engines.base import (
-    EntropyMode,
-    LossFn,
-    check_grad_norm,
-    read_metrics,
-)
+from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, read_metrics
 from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
