@@ -5,7 +5,9 @@ A step, whichever system ran it: `step_s` and the phases `gen_s` (sampling), `lo
 log-prob passes: reference for KL, old log-probs for a correction that needs them), `update_s`
 (forward + backward + optimizer), `sync_s` (weights into the engine), `sleep_wake_s` (lorarl's
 engine sleep), `other_s` (the rest: rewards, advantages, host work), and `tokens` (real prompt
-+ response tokens). The update's MFU: MFU_FORMULA.
++ response tokens). The update's MFU: MFU_FORMULA. A lorarl step one step off-policy generates
+the next batch beside its update: its `gen_s` is that generation's length and only
+`gen_wait_s`, the part the update did not hide, is on the step's path (OVERLAP_FORMULA).
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ TARGETS = {
     "0.5b": {"step_s": 1.4, "speedup": 1.6},
     "30b-a3b": {"speedup": 1 / 0.6},
 }
+# One step off-policy on one GPU: the step at most this times the longer of generation and update.
+OVERLAP_TARGET = 1.15
+OVERLAP_FORMULA = (
+    "overlap = step_s / max(gen_s, logp_s + update_s): the step over the longer of the generation and the "
+    "trainer's update call (the old-log-prob pass included: one step off-policy needs it); 1.0 = the shorter "
+    "one and everything else hidden, on-policy about 2 (they run one after the other)."
+)
 MFU_FORMULA = (
     "mfu_update = 4*N*tokens_per_step / (update_s * 989e12): frozen-base LoRA update = forward 2N + "
     "activation-gradient backward 2N per token, no base weight gradients, LoRA matmuls and attention scores "
@@ -40,7 +49,10 @@ def median(xs: list[float]) -> float | None:
 
 
 def _with_other(step: dict) -> dict:
-    step["other_s"] = max(0.0, step["step_s"] - sum(step[k] for k in PHASES if k != "other_s"))
+    on_path = {k: step[k] for k in PHASES if k != "other_s"}
+    if "gen_wait_s" in step:  # generated beside the update: only the wait is on the step's path
+        on_path["gen_s"] = step["gen_wait_s"]
+    step["other_s"] = max(0.0, step["step_s"] - sum(on_path.values()))
     return step
 
 
@@ -61,6 +73,8 @@ def lorarl_steps(metrics: list[dict], prompt_tokens: list[int], completions: int
             "sync_s": r.get("timing/sync", 0.0) - r.get("timing/wake", 0.0),
             "sleep_wake_s": r.get("timing/sleep", 0.0) + r.get("timing/wake", 0.0),
         }
+        if "timing/gen_wait" in r:
+            phases["gen_wait_s"] = r["timing/gen_wait"]
         out.append(_with_other({**phases, "tokens": tokens}))
     return out
 
@@ -90,6 +104,7 @@ def lorarl_extras(rows: list[dict]) -> dict:
     last = rows[-1] if rows else {}
     return {
         "response_length_mean": [r.get("response_length/mean") for r in rows],
+        "staleness": [r.get("rollout/staleness") for r in rows],
         "sync_kind": last.get("sync/kind"),
         "sync_bytes": last.get("sync/bytes"),
         "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
@@ -141,7 +156,12 @@ def step_row(steps: list[dict], n_params: int, recomputes: bool) -> dict:
     measured = steps[WARMUP_STEPS:]
     breakdown = {key: median([s[key] for s in measured]) for key in PHASES} if measured else {}
     tokens = median([s["tokens"] for s in measured])
+    overlapped = [s for s in measured if "gen_wait_s" in s]
+    if overlapped:
+        breakdown["gen_wait_s"] = median([s["gen_wait_s"] for s in overlapped])
     return {
+        "overlap": median([s["step_s"] / max(s["gen_s"], s["logp_s"] + s["update_s"]) for s in measured]),
+        "overlapped": bool(overlapped),
         "steps_s": [s["step_s"] for s in steps],
         "step_s": median([s["step_s"] for s in measured]),
         "tokens_per_step": tokens,
@@ -178,6 +198,8 @@ def pairs(rows: list[dict]) -> list[dict]:
                 trl_update_s=_spread([r["breakdown"]["update_s"] for r in theirs]),
                 lorarl_gen_s=_spread([r["breakdown"]["gen_s"] for r in mine]),
                 lorarl_mfu_update=_spread([r["mfu_update"] for r in mine if r["mfu_update"]]),
+                lorarl_overlap=_spread([r["overlap"] for r in mine if r.get("overlap")]),
+                overlapped=any(r.get("overlapped") for r in mine),
                 speedup_each=[trl[k]["step_s"] / ours[k]["step_s"] for k in sorted(set(ours) & set(trl))],
             )
             if entry["trl_step_s"]:
@@ -198,6 +220,9 @@ def target_check(shape: str, entry: dict) -> dict:
     for key, want in TARGETS.get(shape, {}).items():
         met = None if got[key] is None else (got[key] <= want if key == "step_s" else got[key] >= want)
         out[key] = {"want": want, "got": got[key], "met": met}
+    if entry.get("overlapped"):
+        got = entry["lorarl_overlap"]["median"]
+        out["overlap"] = {"want": OVERLAP_TARGET, "got": got, "met": got <= OVERLAP_TARGET}
     return out
 
 
@@ -228,7 +253,7 @@ def _targets(entry: dict) -> str:
 def pair_lines(entries: list[dict]) -> list[str]:
     lines = _table(
         ["shape", "KL", "correction", "lorarl arm", "lorarl step s", "TRL step s", "TRL / lorarl (each repeat)"]
-        + ["lorarl update s", "TRL update s", "lorarl gen s", "MFU update", "targets"]
+        + ["lorarl update s", "TRL update s", "lorarl gen s", "overlap", "MFU update", "targets"]
     )
     for e in entries:
         each = " ".join(f"{x:.2f}" for x in e["speedup_each"])
@@ -237,7 +262,8 @@ def pair_lines(entries: list[dict]) -> list[str]:
             f"| {e['shape']} | {'on' if e['kl'] else 'off'} | {e['correction']} | {e['arm']} | "
             f"{fmt_spread(e['lorarl_step_s'])} | {fmt_spread(e['trl_step_s'])} | "
             f"{fmt(e.get('speedup'))}x ({each or '-'}) | {fmt_spread(e['lorarl_update_s'])} | "
-            f"{fmt_spread(e['trl_update_s'])} | {fmt_spread(e['lorarl_gen_s'])} | {mfu_cell} | {_targets(e)} |"
+            f"{fmt_spread(e['trl_update_s'])} | {fmt_spread(e['lorarl_gen_s'])} | {fmt_spread(e.get('lorarl_overlap'))} | "
+            f"{mfu_cell} | {_targets(e)} |"
         )
     return lines
 
@@ -278,6 +304,10 @@ def _notes(row: dict) -> str:
     if row.get("memory_update_peak_gib"):
         slept = " (rollout asleep)" if ((row.get("breakdown") or {}).get("sleep_wake_s") or 0) > 0 else ""
         notes.append(f"update peak {row['memory_update_peak_gib']:.1f} GiB{slept}")
+    if row.get("overlapped"):
+        behind = max((v for v in row.get("staleness") or [] if v is not None), default=None)
+        wait = (row.get("breakdown") or {}).get("gen_wait_s")
+        notes.append(f"generated beside the update (waited {fmt(wait)} s for it, staleness up to {behind})")
     if new_cache_files(row):
         notes.append(f"kernel cache files added: {new_cache_files(row)}")
     return " ".join(notes)
@@ -330,7 +360,7 @@ def markdown(result: dict) -> str:
         "",
         f"{result['work']}. Step: median over steps {WARMUP_STEPS + 1}+ of each run; a pair's numbers are the "
         "median (min-max) over its alternating repeats. TRL / lorarl > 1: lorarl is faster. "
-        f"{result['mfu_formula']}",
+        f"{result['mfu_formula']} {OVERLAP_FORMULA}",
         "",
         "## Equal-algorithm pairs",
         "",

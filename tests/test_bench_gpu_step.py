@@ -285,6 +285,32 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
         assert len(lines) > 2 and {line.count("|") for line in lines} == {lines[0].count("|")}
 
 
+def test_an_off_policy_step_has_only_its_generation_wait_on_the_path_and_an_overlap_target():
+    def off_policy(step: int, step_s: float) -> dict:
+        # The next batch generated beside this update: 1.5 s long, 0.1 s of it left after the update call.
+        return {**_metrics(step, step_s, 2.0), "timing/gen": 1.5, "timing/gen_wait": 0.1, "timing/old_logp": 0.4,
+                "timing/sync": 0.5, "rollout/staleness": min(step - 1, 1)}  # fmt: skip
+
+    rows = []
+    for repeat, (on, off) in enumerate([(4.6, 3.2), (4.8, 3.6)], start=1):
+        on_steps = lorarl_steps([_metrics(s, on, 2.0) for s in range(1, 7)], [5600] * 6, completions=256)
+        off_steps = lorarl_steps([off_policy(s, off) for s in range(1, 7)], [5600] * 6, completions=256)
+        assert off_steps[3]["other_s"] == pytest.approx(off - 0.1 - 0.4 - 2.0 - 0.5)
+        for arm, steps in (("lorarl-fsdp-adapter", on_steps), ("lorarl-fsdp-adapter-offp", off_steps)):
+            rows.append({"run": f"{arm}-r{repeat}", "system": "lorarl", "arm": arm, "shape": "7b", "kl": False,
+                         "correction": "token_tis", "repeat": repeat, **step_row(steps, 7_620_000_000, False)})  # fmt: skip
+    on_pair, off_pair = pairs(rows)
+    assert rows[1]["breakdown"]["gen_wait_s"] == pytest.approx(0.1) and "gen_wait_s" not in rows[0]["breakdown"]
+    # The step over the longer of the generation (1.5 s) and the update call (0.4 + 2.0 s), per repeat.
+    assert off_pair["lorarl_overlap"] == pytest.approx({"median": 3.4 / 2.4, "min": 3.2 / 2.4, "max": 3.6 / 2.4, "n": 2})
+    assert off_pair["targets"]["overlap"] == {"want": 1.15, "got": pytest.approx(3.4 / 2.4), "met": False}
+    assert "overlap" not in on_pair["targets"]  # on-policy: generation and update one after the other
+    assert on_pair["lorarl_overlap"]["median"] == pytest.approx(4.7 / 2.0)
+    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [on_pair, off_pair],
+                       "step_compare": rows})  # fmt: skip
+    assert "overlap 1.42 vs 1.15: not met" in report and "waited 0.10 s for it" in report
+
+
 def test_the_sampler_records_the_host_during_a_run():
     with Sampler(interval_s=30.0, gpu=False) as sampler:  # shorter than one interval: the closing sample
         sum(i * i for i in range(3_000_000))  # some CPU work to see

@@ -100,6 +100,8 @@ def test_off_policy_run_is_one_version_behind_checks_its_syncs_and_resumes(run_c
 
     steps = [r for r in rows() if "reward/mean" in r]
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 1]
+    # Steps 1 and 2 generate the next batch beside their update; the last has none to generate.
+    assert ["timing/gen_wait" in r for r in steps] == [True, True, False]
     for r in steps:
         assert r["sync/adapter_match"] == 1.0 and r["sync/adapter_meaning"] == 1.0, r["step"]
         assert r["sync/logprob_diff_max"] < 1e-3, r["step"]

@@ -281,6 +281,13 @@ TIMING_SYNC = M(
     "driver",
 )
 TIMING_STEP = M("timing/step", "the whole step", "s", "driver")
+TIMING_GEN_WAIT = M(
+    "timing/gen_wait",
+    "waiting, after the update call, for the next step's generation begun beside it, and scoring it",
+    "s",
+    "driver",
+    when="trainer.off_policy_steps > 0 while vLLM stays awake beside the update",
+)
 TIMING_UPDATE = M("timing/update", "the PPO update inside the worker", "s", "worker")
 TIMING_OLD_LOGP = M(
     "timing/old_logp",

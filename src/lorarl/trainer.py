@@ -275,8 +275,11 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         train = self.workers.update(self.update_requests(groups))
         t_update = time.perf_counter() - t0
+        t_gen_wait = None
         if next_ahead is not None:
+            t0 = time.perf_counter()
             self.ahead = next_ahead.collect(self.workers.collect_generate(), self.score_groups)
+            t_gen_wait = time.perf_counter() - t0
         t0 = time.perf_counter()
         sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
         t_sync = time.perf_counter() - t0
@@ -304,6 +307,8 @@ class GRPOTrainer:
         metrics[keys.TIMING_TRAIN.key] = t_update
         metrics[keys.TIMING_SYNC.key] = t_sync
         metrics[keys.TIMING_STEP.key] = time.perf_counter() - t_step
+        if t_gen_wait is not None:
+            metrics[keys.TIMING_GEN_WAIT.key] = t_gen_wait
         metrics[keys.DATA_EPOCH.key] = epoch
         if self.run.trainer.off_policy_steps:
             bound = self.run.trainer.off_policy_steps if self.overlap else 0
