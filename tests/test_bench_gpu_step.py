@@ -302,7 +302,9 @@ def test_an_off_policy_step_has_only_its_generation_wait_on_the_path_and_an_over
     on_pair, off_pair = pairs(rows)
     assert rows[1]["breakdown"]["gen_wait_s"] == pytest.approx(0.1) and "gen_wait_s" not in rows[0]["breakdown"]
     # The step over the longer of the generation (1.5 s) and the update call (0.4 + 2.0 s), per repeat.
-    assert off_pair["lorarl_overlap"] == pytest.approx({"median": 3.4 / 2.4, "min": 3.2 / 2.4, "max": 3.6 / 2.4, "n": 2})
+    assert off_pair["lorarl_overlap"] == pytest.approx(
+        {"median": 3.4 / 2.4, "min": 3.2 / 2.4, "max": 3.6 / 2.4, "n": 2}
+    )
     assert off_pair["targets"]["overlap"] == {"want": 1.15, "got": pytest.approx(3.4 / 2.4), "met": False}
     assert "overlap" not in on_pair["targets"]  # on-policy: generation and update one after the other
     assert on_pair["lorarl_overlap"]["median"] == pytest.approx(4.7 / 2.0)
