@@ -255,7 +255,7 @@ def nvidia_smi(fields: tuple[str, ...]) -> dict | None:
         return None
     missing = ("", "N/A", "Not Supported")
     return {
-        f: float(v) if re.fullmatch(r"[0-9.]+", v) else None if v in missing or v.startswith("[") else v
+        f: float(v) if re.fullmatch(r"[0-9]+(\.[0-9]+)?", v) else None if v in missing or v.startswith("[") else v
         for f, v in zip(fields, values)
     }
 

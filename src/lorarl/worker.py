@@ -87,7 +87,7 @@ class Worker:
         self.sync_session: SyncSession | None = None
         self.adapter_version = 0  # updates the adapter vLLM holds has had (SyncRequest.version)
         self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
-        self._side_stream = None  # CUDA: the stream that generation runs on
+        self._update_stream = None  # CUDA, off-policy: the stream every update runs on (update)
 
     # Ray calls these on every worker before anything else.
     def location(self) -> Placement:
@@ -221,21 +221,9 @@ class Worker:
         before the update, and the overlap is lost but not the order."""
         if self._in_flight is not None:
             raise RuntimeError("generate_start: a generation is already in flight (generate_collect first)")
-        self._in_flight = InFlight(lambda: self._generate_on_side_stream(request))
+        self._in_flight = InFlight(lambda: self.generate(request))
         if self.sleep.sleeps:
             self._in_flight.wait()
-
-    def _generate_on_side_stream(self, request: GenerateRequest) -> Rollouts:
-        """`generate` on a CUDA stream of its own (the current stream is per thread), so its kernels
-        can run beside the update's on the default stream instead of queueing behind them."""
-        if self.device.type != "cuda":
-            return self.generate(request)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._side_stream):
-            out = self.generate(request)
-        self._side_stream.synchronize()
-        return out
 
     def generate_collect(self) -> Rollouts:
         """The result of the generation generate_start began (its error, raised here)."""
@@ -251,8 +239,26 @@ class Worker:
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
-        a, temperature = self.spec.engine.actor, request.sampling.temperature
         timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
+        if self.device.type != "cuda" or not self.spec.off_policy_steps:
+            return self._update(request, timing)
+        # Off-policy, vLLM may be generating in another thread on the default stream. The update
+        # gets a stream of its own so its kernels run beside vLLM's instead of queueing behind
+        # them, and it is the same stream for every update of the run: the caching allocator
+        # reuses a freed block only on the stream that allocated it, so neither side can be handed
+        # memory the other's queued kernels still use. vLLM stays on the default stream it started
+        # on: run on a side stream of its own (its start-up buffers on the default one), it
+        # faulted the GPU within three 7B steps, and ran clean with CUDA_LAUNCH_BLOCKING=1.
+        if self._update_stream is None:
+            self._update_stream = torch.cuda.Stream(self.device)
+        self._update_stream.wait_stream(torch.cuda.current_stream(self.device))  # the sync's writes
+        with torch.cuda.stream(self._update_stream):
+            report = self._update(request, timing)
+        self._update_stream.synchronize()  # the sync and the next step read what it wrote
+        return report
+
+    def _update(self, request: UpdateRequest, timing: dict) -> UpdateReport:
+        a, temperature = self.spec.engine.actor, request.sampling.temperature
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
