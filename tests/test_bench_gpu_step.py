@@ -301,16 +301,19 @@ def test_an_off_policy_step_has_only_its_generation_wait_on_the_path_and_an_over
                          "correction": "token_tis", "repeat": repeat, **step_row(steps, 7_620_000_000, False)})  # fmt: skip
     on_pair, off_pair = pairs(rows)
     assert rows[1]["breakdown"]["gen_wait_s"] == pytest.approx(0.1) and "gen_wait_s" not in rows[0]["breakdown"]
-    # The step over the longer of the generation (1.5 s) and the update call (0.4 + 2.0 s), per repeat.
+    # Each off-policy step over the longer of the on-policy arm's generation (0.5 s) and update (2.0 s),
+    # measured there alone: the contended 1.5 s generation beside the update is not the yardstick.
     assert off_pair["lorarl_overlap"] == pytest.approx(
-        {"median": 3.4 / 2.4, "min": 3.2 / 2.4, "max": 3.6 / 2.4, "n": 2}
+        {"median": 3.4 / 2.0, "min": 3.2 / 2.0, "max": 3.6 / 2.0, "n": 2}
     )
-    assert off_pair["targets"]["overlap"] == {"want": 1.15, "got": pytest.approx(3.4 / 2.4), "met": False}
-    assert "overlap" not in on_pair["targets"]  # on-policy: generation and update one after the other
-    assert on_pair["lorarl_overlap"]["median"] == pytest.approx(4.7 / 2.0)
+    assert off_pair["targets"]["overlap"] == {"want": 1.15, "got": pytest.approx(3.4 / 2.0), "met": False}
+    assert "overlap" not in on_pair["targets"] and "lorarl_overlap" not in on_pair
+    # Without an on-policy arm in the pair there is nothing measured alone to judge by.
+    (alone,) = pairs([r for r in rows if r["arm"].endswith("offp")])
+    assert "lorarl_overlap" not in alone and "overlap" not in alone["targets"]
     report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [on_pair, off_pair],
                        "step_compare": rows})  # fmt: skip
-    assert "overlap 1.42 vs 1.15: not met" in report and "waited 0.10 s for it" in report
+    assert "overlap 1.70 vs 1.15: not met" in report and "waited 0.10 s for it" in report
 
 
 def test_the_sampler_records_the_host_during_a_run():
