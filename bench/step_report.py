@@ -361,7 +361,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# GPU step: lorarl vs TRL GRPOTrainer at equal algorithm ({result['date']})",
         "",
-        f"`{result['command']}`",
+        *[f"`{command}`  " for command in result["commands"]],
         "",
         f"{result['work']}. Step: median over steps {WARMUP_STEPS + 1}+ of each run; a pair's numbers are the "
         "median (min-max) over its alternating repeats. TRL / lorarl > 1: lorarl is faster. "

@@ -273,11 +273,11 @@ def test_rows_of_both_systems_share_one_vocabulary_and_pair_by_algorithm():
     assert row["mfu_update_hw"] is None
     assert step_row(steps, n_params, recomputes=True)["mfu_update_hw"] == pytest.approx(1.5 * row["mfu_update"])
     assert uncorrected["targets"]["speedup"]["met"] is False
-    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [uncorrected],
+    report = markdown({"date": "d", "commands": ["c"], "work": "w", "mfu_formula": "f", "pairs": [uncorrected],
                        "step_compare": rows})  # fmt: skip
     assert "| 0.5b | off | none | lorarl-fsdp-adapter | 2.00 (1.90-2.50) | 3.10 (3.00-3.50) | 1.55x" in report
     # Several lorarl arms of a pair: a row each against the same TRL runs.
-    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "step_compare": rows,
+    report = markdown({"date": "d", "commands": ["c"], "work": "w", "mfu_formula": "f", "step_compare": rows,
                        "pairs": [uncorrected, {**uncorrected, "arm": "lorarl-fsdp-adapter-keep"}]})  # fmt: skip
     assert "| lorarl-fsdp-adapter | 2.00" in report and "| lorarl-fsdp-adapter-keep | 2.00" in report
     for table in report.split("\n## ")[1:3]:  # every row of the pair and runs tables has the header's columns
@@ -311,7 +311,7 @@ def test_an_off_policy_step_has_only_its_generation_wait_on_the_path_and_an_over
     # Without an on-policy arm in the pair there is nothing measured alone to judge by.
     (alone,) = pairs([r for r in rows if r["arm"].endswith("offp")])
     assert "lorarl_overlap" not in alone and "overlap" not in alone["targets"]
-    report = markdown({"date": "d", "command": "c", "work": "w", "mfu_formula": "f", "pairs": [on_pair, off_pair],
+    report = markdown({"date": "d", "commands": ["c"], "work": "w", "mfu_formula": "f", "pairs": [on_pair, off_pair],
                        "step_compare": rows})  # fmt: skip
     assert "overlap 1.70 vs 1.15: not met" in report and "waited 0.10 s for it" in report
 

@@ -16,6 +16,8 @@ CPU counterparts: tests/test_shared_base.py.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,12 +36,39 @@ def cache_dir() -> Path:
 
 
 def gpu_worker(model_path: Path, *overrides: str):
+    # liger's kernels are beside the point here (which storage the weights live in)
+    return make_worker(
+        f"model.path={model_path}",
+        "rollout.gpu_memory_utilization=0.4",
+        "backend.liger_kernel=false",
+        *overrides,
+        device="cuda",
+    )
+
+
+def run_alone(check: str) -> None:
+    """`check` of this module in a fresh process: vLLM's sleep-mode allocator (CuMem) serves one
+    engine per process, so a second engine in the process of a first one fails at load."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    return make_worker(f"model.path={model_path}", "rollout.gpu_memory_utilization=0.4", *overrides, device="cuda")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    code = f"from tests.gpu.test_shared_base_gpu import {check}; {check}()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
 
 def test_sleep_frees_only_the_kv_cache_and_the_shared_weights_stay():
+    run_alone("sleep_frees_only_the_kv_cache")
+
+
+def test_moe_expert_stacks_are_vllms_fused_moe_weights():
+    run_alone("moe_expert_stacks_are_vllms")
+
+
+def sleep_frees_only_the_kv_cache() -> None:
     from bench.common import shaped_model
 
     model = shaped_model(cache_dir(), "qwen2.5-0.5b", device="cuda")
@@ -69,7 +98,7 @@ def test_sleep_frees_only_the_kv_cache_and_the_shared_weights_stay():
         w.shutdown()
 
 
-def test_moe_expert_stacks_are_vllms_fused_moe_weights(lorarl_cache):
+def moe_expert_stacks_are_vllms() -> None:
     from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
 
     model = ensure_tiny_model(default_tiny_model_path(arch="qwen3_moe"), arch="qwen3_moe")
