@@ -446,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(common.ROOT / "src"))
     date = dt.date.today().isoformat()
     js = Path(args.out_dir) / f"{args.stem or ('gpu_step_cpu-smoke_' if args.cpu_smoke else 'gpu_step_') + date}.json"
-    earlier = json.loads(js.read_text()) if args.append and js.is_file() else {}
-    kept = [row for row in earlier.get("step_compare", []) if "correction" in row and "repeat" in row]  # pair rows only
+    earlier = json.loads(js.read_text()) if args.append and js.is_file() else {}  # its rows and commands go on
+    kept = [row for row in earlier.get("step_compare", []) if "correction" in row and "repeat" in row]  # pair rows
     runs = planned(args, kept)
     if args.list:
         print("\n".join(r.name for r in runs))
@@ -455,11 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     cache, work = common.cache_dir(args.cache), args.work
     result = {
         "date": date,
-        # every command of the file, oldest first: --append adds this one's runs to the earlier ones'
-        "commands": [
-            *earlier.get("commands", [earlier["command"]] if "command" in earlier else []),
-            "python -m bench.gpu_step " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        ],
+        "commands": [*earlier.get("commands", []), "python -m bench.gpu_step " + shlex.join(argv or sys.argv[1:])],
         "cpu_smoke": args.cpu_smoke,
         "work": f"{work.prompts} prompts x {work.n} samples x {work.tokens} new tokens per step, {work.steps} steps",
         "mfu_formula": report.MFU_FORMULA,
