@@ -5,11 +5,9 @@ completions x <= 32 tokens per step, LoRA r=16 alpha=32 on the seven projections
 KL coef 0.001, one optimizer step per batch. One run each, back to back; seconds per step and
 per sync over the steps after the first two.
 
-Threads: TRL runs with 1 torch thread (--trl-threads): with 2, TRL's single process (trainer
-and in-process vLLM sharing one OpenMP pool) took 9.2 s/step instead of 0.19 s on this loaded
-2-core host, which measures contention, not TRL. lorarl gives each CPU worker
-cpu_count // ranks threads (2 here) and has no setting for it, so it runs twice: at TRL's
-thread count (through bench.grpo_run --cpu-count; the baseline of the TRL rows) and as shipped.
+Threads: TRL runs with 1 torch thread (--trl-threads; at 2 its trainer and in-process vLLM
+contend for one OpenMP pool: bench/README.md). lorarl runs twice: at TRL's thread count (through
+bench.grpo_run --cpu-count; the baseline of the TRL rows) and as shipped.
 
 TRL must be importable (`pip install trl==1.16.0`: it adds datasets/pandas/multiprocess and
 leaves torch, vllm and transformers as they are); without it the rows say so.

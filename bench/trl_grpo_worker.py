@@ -3,14 +3,11 @@
     python -m bench.trl_grpo_worker --model <tiny> --train-parquet <arith train.parquet> \
         --steps 12 --prompts 4 --n 4 --max-tokens 32 --out trl.json
 
-The defaults are the CPU comparison of bench.peer_trl (below); bench.gpu_step sets the GPU
-run's options (--device cuda --dtype bfloat16, rank, lr, beta, micro-batch, ...).
+Defaults: bench.peer_trl's CPU comparison; bench.gpu_step sets the GPU run's (lorarl_options).
 
-Same model (the tiny Qwen2, fp32), same rows (the arith parquet the lorarl run reads), same
-reward function (lorarl.rewards by data_source), same batch (prompts x n completions of at
-most max-tokens), LoRA r=16 alpha=32 on the seven projections, lr 1e-3, KL coef 0.001, one
-update per batch. TRL syncs by merging LoRA into the base and pushing every weight into vLLM
-each step (`VLLMGeneration.sync_weights`).
+Same model, rows (the parquet the lorarl run reads), reward (lorarl.rewards by data_source) and
+batch as lorarl's run. TRL syncs by merging LoRA into the base and pushing every weight into
+vLLM each step (`VLLMGeneration.sync_weights`).
 
 On the CPU build of vLLM that push fails: TRL calls the model's raw `load_weights`, and the CPU
 build keeps re-packed GEMM weights behind empty placeholder parameters. This script first

@@ -1,28 +1,13 @@
 """Where the PPO update's time (and memory) goes on one GPU: the project's FSDP or Megatron engine
-on the GPU step's work.
+timed, then profiled with torch.profiler, on one `bench.gpu_step`-shaped batch (256 rows,
+on-policy, rollout log-probs present), per variant (Hydra overrides on the shape's preset).
+Options and outputs: bench/README.md, "Inside the update".
 
     torchrun --standalone --nproc_per_node=1 -m bench.update_profile --shape 0.5b --out DIR
     torchrun --standalone --nproc_per_node=1 -m bench.update_profile --shape 0.5b --backend megatron --memory --out DIR
 
-The batch is the shape of one `bench.gpu_step` step (32 prompts x 8 samples, ~22 prompt tokens,
-128 response tokens, random ids), on-policy (no old log-probs), with the rollout's log-probs
-present as in a real run. Each variant (Hydra overrides on the shape's model preset) builds its
-own engine and times `engine.update` (median of --repeats after --warmup), with its MFU as
-bench.gpu_step counts it, and the reference pass (`engine.log_probs(reference=True)`, the
-KL loss's extra forward); the last variant's update is then profiled once with torch.profiler.
-Put `backend.liger_kernel=false` first when comparing: Liger patches transformers' Qwen modules
-for the whole process, so engines built after a Liger one get its kernels too. `--reserve-gib`
-holds that much GPU memory the whole time, as the awake vLLM engine does in a colocated run.
-
-Writes DIR/update_profile_<shape>.json (seconds per variant, memory, allocator retries) and
-DIR/update_profile_<shape>.txt (the profiler's tables: by self CUDA time and by CPU time).
-With --trace-syncs each variant also counts where one more update made the host wait for the
-device (torch.cuda.set_sync_debug_mode), by Python call site. Variant tokens beside the overrides:
-`fused_adamw` (the optimizer as one fused kernel), `transformers_masks` (transformers builds the
-attention masks from the 2D mask, as before the engine built them); FSDP only.
-With --memory the last variant's update (and reference pass) also runs once under the CUDA
-allocator's history: `memory_at_peak` in the JSON gives the blocks alive at the highest total the
-call allocated, grouped by the Python line that allocated them.
+Liger patches transformers' Qwen modules for the whole process, so engines built after a Liger
+one get its kernels too: put a `backend.liger_kernel=false` variant first when comparing.
 """
 
 from __future__ import annotations
@@ -47,7 +32,6 @@ from lorarl.engines.fsdp import FSDPEngine
 from lorarl.prepare import engine_spec
 
 # Variant tokens that are not Hydra overrides: they change the built engine.
-BENCH_TOKENS = ("fused_adamw", "transformers_masks")
 
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
@@ -179,22 +163,13 @@ def trace_syncs(run, engine, batch, device) -> dict[str, int]:
     return dict(sites.most_common(40))
 
 
-def variant_engine(run, spec: str, device: torch.device):
-    """The project's engine for one variant, with the bench tokens of `spec` applied."""
+def variant_engine(run, device: torch.device):
+    """The project's engine for one variant's run config."""
     if run.backend.strategy == "megatron":
         from lorarl.engines.megatron.engine import MegatronEngine
 
         return MegatronEngine(engine_spec(run, device.type), device)
-    engine = FSDPEngine(engine_spec(run, device.type), device)
-    if "transformers_masks" in spec.split(","):  # transformers builds the masks from the 2D one
-        engine.prepared_masks = False
-    if "fused_adamw" in spec.split(","):  # the optimizer as one fused kernel per step
-        o = run.actor.optim
-        engine.optimizer = torch.optim.AdamW(
-            engine.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=True
-        )
-        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
-    return engine
+    return FSDPEngine(engine_spec(run, device.type), device)
 
 
 def profile_update(run, engine, batch, device, stem: Path, result: dict) -> None:
@@ -229,7 +204,7 @@ def main() -> None:
     ap.add_argument("--variants", default="preset", help="';'-separated, each a ','-list of overrides or 'preset'")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--reserve-gib", type=float, default=0.0)
+    ap.add_argument("--reserve-gib", type=float, default=0.0, help="GPU memory held throughout, as an awake vLLM")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--kl", action="store_true", help="a reference log-prob tensor and the KL loss")
@@ -265,9 +240,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     specs = args.variants.split(";")
     for i, spec in enumerate(specs):
-        extra = [] if spec == "preset" else [o for o in spec.split(",") if o not in BENCH_TOKENS]
+        extra = [] if spec == "preset" else spec.split(",")
         run = compose(base + extra)
-        engine = variant_engine(run, spec, device)
+        engine = variant_engine(run, device)
         batch = make_batch(engine, vocab, args.rows, args.response)
         if args.kl:
             batch.ref_logp = torch.zeros_like(batch.response_mask)
