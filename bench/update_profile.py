@@ -31,8 +31,6 @@ from lorarl.config.compose import compose
 from lorarl.engines.fsdp import FSDPEngine
 from lorarl.prepare import engine_spec
 
-# Variant tokens that are not Hydra overrides: they change the built engine.
-
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
     "7b": ("qwen2.5-7b", "qwen2_5_7b_instruct"),
