@@ -21,7 +21,7 @@ from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, ver
 from recipes.from_verl.keys import VERL_KEYS
 from recipes.from_verl.launch import GRPO_MODULES, OTHER_MODULES, check_module
 from recipes.from_verl.models import model_preset
-from recipes.from_verl.translate import parsed, same
+from recipes.from_verl.result import parsed, same
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "recipes" / "verl_data"

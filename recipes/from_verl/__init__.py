@@ -13,8 +13,9 @@ translate and carry (the translation), check (`--check`), table (the README's ta
 from recipes.from_verl.errors import VerlTranslationError
 from recipes.from_verl.keys import VERL_KEYS, Key, verl_row
 from recipes.from_verl.launch import Launch, script_launch
+from recipes.from_verl.result import Translation
 from recipes.from_verl.table import markdown_table
-from recipes.from_verl.translate import Translation, translate
+from recipes.from_verl.translate import translate
 
 __all__ = [
     "VERL_KEYS",

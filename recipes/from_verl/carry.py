@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from recipes.from_verl.defaults import DELIBERATE, default_of
 from recipes.from_verl.errors import VerlTranslationError
 from recipes.from_verl.keys import VERL_KEYS, A, verl_row
-from recipes.from_verl.translate import Difference, Translation, parsed, render, same
+from recipes.from_verl.result import Difference, Translation, parsed, render, same
 
 SP, TP, PP = (A + "actor.megatron." + k for k in ("sequence_parallel", "tensor_model_parallel_size",
                                                   "pipeline_model_parallel_size"))  # fmt: skip

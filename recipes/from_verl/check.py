@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from recipes.from_verl.translate import Translation
+from recipes.from_verl.result import Translation
 
 
 def difference_table(result: Translation) -> str:

@@ -8,78 +8,18 @@ preset) before raising them together.
 from __future__ import annotations
 
 import difflib
-import math
-import re
-import sys
-from dataclasses import dataclass, field
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-
+from recipes.from_verl.carry import carry_defaults, derived_values
 from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
 from recipes.from_verl.errors import VerlTranslationError
 from recipes.from_verl.keys import BY_VERL, VERL_KEYS, A, Key, verl_row
 from recipes.from_verl.models import model_preset, preset_names
+from recipes.from_verl.result import Difference, Translation, parsed, render, same
 
 RANK_KEYS = (A + "model.lora_rank", A + "model.lora.rank")
 FULL_FT_LR = 5e-6  # below this a learning rate is a full fine-tune's; LoRA trains at ~1e-5 and up
 # lorarl keys that several verl keys set, where the smaller value keeps within every budget.
 SMALLER_WINS = ("actor.log_prob_max_token_len_per_gpu",)
-
-
-@dataclass
-class Difference:
-    """A key whose lorarl value means something other than verl's, for `--check`'s table."""
-
-    verl: str
-    verl_value: str
-    lorarl: str
-    lorarl_value: str
-    why: str
-
-
-@dataclass
-class Translation:
-    overrides: list[str]
-    ignored: list[tuple[str, str, str]]  # (verl key, value, reason)
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    carried: list[tuple[str, str]] = field(default_factory=list)  # (verl key, the override carrying its default)
-    differences: list[Difference] = field(default_factory=list)
-    backend: str = "fsdp"
-    # verl's sequence splits lorarl does without ({verl key: size}): --check estimates their cost.
-    splits: dict[str, int] = field(default_factory=dict)
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "recipes.grpo", *self.overrides]
-
-
-def parsed(value: str):
-    """The value Hydra (verl's config system too) gives `key=value`."""
-    return OverridesParser.create().parse_overrides([f"k={value}"])[0].value()
-
-
-def render(value) -> str:
-    """A Python value as a Hydra override value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(render(v) for v in value) + "]"
-    text = str(value)
-    return (
-        text if re.fullmatch(r"[A-Za-z_~/.][\w./~-]*", text) and text not in ("null", "true", "false") else repr(text)
-    )
-
-
-def same(a, b) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool | None):
-        return not isinstance(b, bool) and math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def split_override(arg: str) -> tuple[str, str]:
@@ -158,7 +98,6 @@ def translate(
 ) -> Translation:
     """lorarl overrides for the arguments of verl's `module` (its --config-name picks the backend;
     a DAPO module starts from verl-recipe's DAPO defaults)."""
-    from recipes.from_verl.carry import carry_defaults, derived_values
 
     problems: list[str] = []
     backend, values = read_args(args, problems)

@@ -1,4 +1,5 @@
-"""The PEFT adapter folder: the format checkpoints, the final export and the tmpfs sync share.
+"""PEFT's formats: the LoraConfig for model.lora, and the adapter folder that checkpoints, the
+final export and the tmpfs sync share.
 
 `adapter_model.safetensors` + `adapter_config.json`: what `PeftModel.from_pretrained` and
 vLLM's `--lora-modules` / `LoRARequest` load. Weights only (safetensors), never pickles.
@@ -37,3 +38,20 @@ def save_peft_adapter(directory: str | os.PathLike, tensors: dict[str, torch.Ten
 def load_peft_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     d = Path(directory)
     return load_file(str(d / WEIGHTS_FILE)), json.loads((d / CONFIG_FILE).read_text())
+
+
+def peft_lora_config(lora):
+    """PEFT's LoraConfig for model.lora (lorarl.config's LoRA group): what the trainer trains, and
+    what the start-up plan counts (lorarl.engines.shared_base.layout_bytes)."""
+    from peft import LoraConfig
+
+    targets = lora.target_modules
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+        target_parameters=list(lora.target_parameters) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

@@ -21,7 +21,6 @@ from omegaconf import MISSING
 
 from lorarl.config.algorithm import AlgorithmConfig
 from lorarl.errors import ConfigError, check, one_of
-from lorarl.sync.faults import FAULTS, SEND_FAULTS
 
 HF_LINEAR_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # vLLM serves LoRA on these Qwen2 modules only; embeddings and lm_head exist in PEFT but
@@ -41,6 +40,21 @@ KL_KINDS = ("k1", "k2", "mse", "k3", "low_var_kl")
 # Megatron-Bridge's LoRA classes and A initialisations (ParallelLinearAdapter._get_init_fn; "zero" is B's).
 LORA_TYPES = ("lora", "canonical_lora")
 LORA_INIT_METHODS = ("xavier", "kaiming", "normal")
+# trainer.sync_fault's names (a test switch; what each corrupts: lorarl.sync.faults). The send faults
+# act between processes, so they need trainer.placement=split.
+FAULTS = (
+    "gate_up_swap",
+    "expert_swap",
+    "scale_x2",
+    "scale_half",
+    "transpose",
+    "missing_module",
+    "stale_layer",
+    "base_as_lora",
+    "qk_swap",
+    "trainer_scaling",
+)
+SEND_FAULTS = ("drop_send", "stale_send")
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -15,9 +15,9 @@ from typing import Any
 
 from lorarl.config.backends import MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
+from lorarl.config.schema import SEND_FAULTS
 from lorarl.errors import ConfigError, check
 from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
-from lorarl.sync.faults import SEND_FAULTS
 
 
 def check_known_keys(config: Any) -> None:

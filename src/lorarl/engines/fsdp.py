@@ -33,6 +33,7 @@ from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, TrainingError, first_line
+from lorarl.peft_io import peft_lora_config
 from lorarl.specs import EngineSpec
 from lorarl.sync.experts import expert_delta, expert_wrappers
 from lorarl.sync.payload import PayloadKind, WeightPayload
@@ -41,23 +42,6 @@ from lorarl.sync.semantic_merged import BaseProjections, base_projections, train
 
 PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def peft_lora_config(lora):
-    """PEFT's LoraConfig for model.lora (lorarl.config's LoRA group): what the trainer trains, and
-    what the start-up plan counts (lorarl.engines.shared_base.layout_bytes)."""
-    from peft import LoraConfig
-
-    targets = lora.target_modules
-    return LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
-        target_parameters=list(lora.target_parameters) or None,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
 
 
 def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = None):

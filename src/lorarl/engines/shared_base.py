@@ -118,7 +118,7 @@ def layout_bytes(run, config) -> LayoutBytes:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorarl.engines.fsdp import peft_lora_config
+    from lorarl.peft_io import peft_lora_config
 
     m = run.model
     weight_bytes = sum(f.stat().st_size for f in Path(m.path).glob("*.safetensors"))

@@ -34,23 +34,11 @@ import re
 import torch
 from torch import Tensor
 
+from lorarl.config.schema import FAULTS, SEND_FAULTS  # the names; what each does is above
 from lorarl.errors import ConfigError
 from lorarl.sync.faults_merged import corrupt_merged
 from lorarl.sync.payload import WeightPayload
 
-FAULTS = (
-    "gate_up_swap",
-    "expert_swap",
-    "scale_x2",
-    "scale_half",
-    "transpose",
-    "missing_module",
-    "stale_layer",
-    "base_as_lora",
-    "qk_swap",
-    "trainer_scaling",
-)
-SEND_FAULTS = ("drop_send", "stale_send")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
