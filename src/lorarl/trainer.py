@@ -8,7 +8,7 @@
 With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
 the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
 With trainer.placement=split the generation runs on rollout workers of their own and the update on
-the training workers (lorarl.split_group), behind the same calls.
+the training workers (lorarl.split.group), behind the same calls.
 
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
@@ -126,7 +126,7 @@ class GRPOTrainer:
     def fit(self) -> float | None:
         from tqdm.auto import tqdm
 
-        from lorarl.split_group import SplitWorkerGroup
+        from lorarl.split.group import SplitWorkerGroup
         from lorarl.worker_group import WorkerGroup
 
         tc = self.run.trainer

@@ -116,7 +116,7 @@ def validate(run: RunConfig) -> None:
 
 def check_placement(run: RunConfig) -> None:
     """trainer.placement=split: training workers and vLLM workers on devices of their own, the
-    adapter sent through Ray (lorarl.split_group). What it cannot do soundly is refused by key."""
+    adapter sent through Ray (lorarl.split.group). What it cannot do soundly is refused by key."""
     t, r = run.trainer, run.rollout
     if t.placement != "split":
         check(
