@@ -8,8 +8,10 @@ from __future__ import annotations
 import getpass
 import importlib.metadata
 import json
+import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -92,8 +94,7 @@ def cache_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def tiny_model(cache: Path) -> Path:
-    """The embedded tiny Qwen2 under the name the GRPO config expects (`<cache>/qwen2_tiny`),
-    so the end-to-end runs reuse the same build."""
+    """The embedded tiny Qwen2 where the GRPO config expects it (`<cache>/qwen2_tiny`)."""
     from lorarl.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(cache / "qwen2_tiny", seed=0)
@@ -110,19 +111,10 @@ def shaped_model_path(
 SHAPED_MODEL_DONE = "bench_model.json"
 
 
-def shaped_model(
-    cache: Path,
-    shape: str,
-    layers: int | None = None,
-    dtype: str = "bfloat16",
-    device: str = "cpu",
-    token_share: bool = False,
-) -> Path:
-    """A random model with a real Qwen2.5/Qwen3/Qwen3-MoE shape (optionally fewer decoder layers), saved as
-    safetensors with the tiny model's tokenizer (its ids < 512 are valid in any Qwen vocab).
-    Built once per (shape, layers, dtype, token_share) under <cache>/bench/; `device` only speeds
-    up init. `token_share`: the output layer gives data=token_share's subset a direction
-    (lorarl.data.token_share.give_subset_a_direction), so its reward can climb."""
+def shaped_model(cache: Path, shape: str, layers=None, dtype="bfloat16", device="cpu", token_share=False) -> Path:
+    """A random model with a real Qwen2.5/Qwen3/Qwen3-MoE shape (optionally fewer layers) and the tiny
+    model's tokenizer (ids < 512 are valid in any Qwen vocab), built once under <cache>/bench/ on
+    `device`. `token_share`: data=token_share's subset gets a direction, so its reward can climb."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -134,18 +126,11 @@ def shaped_model(
     if layers is not None:
         dims["num_hidden_layers"] = layers
     path = shaped_model_path(cache, shape, layers, dtype, token_share)
-    done = path / SHAPED_MODEL_DONE
-    if done.is_file():
+    if (path / SHAPED_MODEL_DONE).is_file():
         return path
-    tiny = tiny_model(cache)
-    tok = AutoTokenizer.from_pretrained(tiny)
-    config = config_cls(
-        **dims,
-        max_position_embeddings=32768,
-        bos_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    tok = AutoTokenizer.from_pretrained(tiny_model(cache))
+    ids = dict(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = config_cls(**dims, max_position_embeddings=32768, **ids)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # init in the target dtype: a 7B fp32 copy is 30 GB
@@ -160,21 +145,43 @@ def shaped_model(
         give_subset_a_direction(model.get_output_embeddings().weight)
     model.config.dtype = dtype
     tmp = path.with_name(path.name + ".tmp")
-    # Saved from where it was built: safetensors copies one tensor at a time to host memory, so a
-    # 61 GB model never needs a second whole copy in RAM (its cache may be /dev/shm).
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_by_shard(model, tmp)
     tok.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     (tmp / SHAPED_MODEL_DONE).write_text(
         json.dumps({"shape": shape, "dims": dims, "dtype": dtype, "params": n_params, "token_share": token_share})
     )
     del model
-    if path.exists():
-        import shutil
-
-        shutil.rmtree(path)
+    shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
+
+
+def save_by_shard(model, path: Path, shard_bytes: int = 4 << 30) -> None:
+    """save_pretrained's checkpoint, copied to the host one shard at a time: transformers' own save
+    first splits every fused expert stack per expert on the model's device, a second 61 GB copy."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    state, weight_map, shard, seen, total = model.state_dict(), {}, {}, set(), 0
+    for i, (key, tensor) in enumerate(state.items()):
+        if tensor.data_ptr() not in seen:  # else a tied head: the checkpoint holds the embedding once
+            seen.add(tensor.data_ptr())
+            total += tensor.nbytes
+            stem, _, leaf = key.rpartition(".")
+            if stem.endswith("mlp.experts"):  # gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]
+                half = tensor.shape[1] // 2
+                parts = {"down_proj": slice(None)} if leaf == "down_proj" else {"gate_proj": slice(None, half), "up_proj": slice(half, None)}  # fmt: skip
+                shard.update({f"{stem}.{e}.{p}.weight": t[rows].cpu() for e, t in enumerate(tensor) for p, rows in parts.items()})  # fmt: skip
+            else:
+                shard[key] = tensor.detach().to("cpu", copy=True)
+        if shard and (sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(state) - 1):
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shard.clear()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
 def model_in_subprocess(shape: str | None, cache: Path, device: str, layers: int | None = None) -> tuple[Path, float]:
@@ -183,11 +190,8 @@ def model_in_subprocess(shape: str | None, cache: Path, device: str, layers: int
     if shape is not None and (shaped_model_path(cache, shape, layers) / SHAPED_MODEL_DONE).is_file():
         return shaped_model_path(cache, shape, layers), 0.0  # built by an earlier command: no torch import
     t0 = time.perf_counter()
-    call = (
-        f"shaped_model(Path({str(cache)!r}), {shape!r}, {layers!r}, device={device!r})"
-        if shape
-        else f"tiny_model(Path({str(cache)!r}))"
-    )
+    where = f"Path({str(cache)!r})"
+    call = f"shaped_model({where}, {shape!r}, {layers!r}, device={device!r})" if shape else f"tiny_model({where})"
     code = f"from pathlib import Path; from bench.common import shaped_model, tiny_model; print({call})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(cache), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -202,11 +206,7 @@ def model_params(path: Path) -> int:
     total = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                n = 1
-                for d in st.get_slice(k).get_shape():
-                    n *= d
-                total += n
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())  # noqa: SIM118 - no __iter__
     return total
 
 

@@ -173,8 +173,10 @@ def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
 
     model = shaped_model(tmp_path, "qwen3-moe-tiny", dtype="float32")
     config = json.loads((model / "config.json").read_text())
-    with safe_open(str(model / "model.safetensors"), "pt") as f:
-        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    sizes = {}
+    for shard in model.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            sizes.update({name: f.get_slice(name).get_shape() for name in f.keys()})  # noqa: SIM118 - no __iter__
     numel = {name: math.prod(shape) for name, shape in sizes.items()}
     experts = sum(n for name, n in numel.items() if ".mlp.experts." in name)
     share = config["num_experts_per_tok"] / config["num_local_experts"]
