@@ -162,6 +162,7 @@ def save_by_shard(model, path: Path, shard_bytes: int = 4 << 30) -> None:
     first splits every fused expert stack per expert on the model's device, a second 61 GB copy."""
     from safetensors.torch import save_file
 
+    model.config.architectures = [type(model).__name__]  # vLLM picks its model class by this name
     model.config.save_pretrained(path), model.generation_config.save_pretrained(path)
     state, weight_map, shard, seen, total = model.state_dict(), {}, {}, set(), 0
     for i, (key, tensor) in enumerate(state.items()):

@@ -167,6 +167,8 @@ def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
     """A MoE's MFU counts the active parameters: every tensor outside the experts, and top-k of E
     experts' share of the expert stacks, read from the saved model; at Qwen3-30B-A3B's dims, the
     3.3B active its model card states."""
+    import torch
+    import transformers
     from safetensors import safe_open
 
     from bench.common import SHAPES, shaped_model
@@ -182,6 +184,15 @@ def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
     share = config["num_experts_per_tok"] / config["num_local_experts"]
     assert experts and param_count(config) == pytest.approx(sum(numel.values()) - experts + share * experts, abs=3000)
     assert param_count(SHAPES["qwen3-30b-a3b"]) == pytest.approx(3.3e9, rel=0.03)
+    # Written shard by shard (bench.common.save_by_shard): the class name vLLM resolves its
+    # implementation by, and a checkpoint that loads back to the model as built (rebuilt here from
+    # the same seed; a gate/up or expert mix-up in the per-expert split reads as a difference).
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    torch.manual_seed(0)
+    built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model)).state_dict()
+    assert loaded.keys() == built.keys()
+    assert [k for k in built if not torch.equal(loaded[k], built[k])] == []
 
 
 def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
