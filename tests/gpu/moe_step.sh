@@ -10,13 +10,14 @@
 # Off the GPU (the same script at CPU size, merged sync, 12 steps): SHAPE=tiny bash tests/gpu/moe_step.sh
 # Layers: all 48 by default, with one copy of the base (backend.share_base=auto: the trainer's
 # weights are views of vLLM's). The bf16 model is 61 GB (57 GiB), so it is written to MODEL_ROOT
-# (default /dev/shm, 128 GiB on the H200 machine; its disk has 62 GB free) and vLLM holds it once at
-# GPU_UTIL=0.5 (69.5 GiB: the weights plus ~10 GiB of KV cache and graphs), leaving ~65 GiB for the
-# LoRA state (0.2 GiB per layer at rank 16: 13.4M LoRA parameters in fp32 with gradients and Adam)
-# and the update's activations. Not yet run at 48 layers. With two copies (backend.share_base=false)
-# use LAYERS=32 GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 (80 GB)
-# LAYERS=24 GPU_UTIL=0.55 ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB);
-# LAYERS=32 at 0.55 left vLLM no room for its KV cache after its 38.9 GiB of weights.
+# (default /dev/shm, 128 GiB on the GPU machines; their disk has 62 GB free) and vLLM holds it once at
+# GPU_UTIL=0.5 (69.9 GiB of an H200: 59.6 GiB of weights and LoRA slots, 6.1 GiB for its profile's
+# forward, the rest KV cache), leaving ~65 GiB for the LoRA state (0.2 GiB per layer at rank 16:
+# 13.4M LoRA parameters in fp32 with gradients and Adam) and the update's activations. Not yet run at
+# 48 layers on an H200; on an H100 (80 GB) vLLM had no room for a KV cache at GPU_UTIL=0.80
+# (tests/gpu_logs/moe/README.md). With two copies (backend.share_base=false) use LAYERS=32
+# GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 LAYERS=24
+# GPU_UTIL=0.55 ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB).
 # If model build + run exceed one call, build first (it is reused while the machine stays up):
 #   python -c "from pathlib import Path; from bench.common import shaped_model as s; s(Path('/dev/shm'), 'qwen3-30b-a3b', device='cuda', token_share=True)"
 # Writes to $OUT (default /tmp/moe_out): moe_step[_TAG].log and moe_step[_TAG].json (per step: reward
