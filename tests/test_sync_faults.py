@@ -114,16 +114,37 @@ def test_correct_export_passes_fresh_and_moved(worker):
     assert out.adapter_meaning == 1.0 and out.meaning_check_seconds > 0
 
 
-def test_the_expected_side_is_pefts_delta(worker):
-    """The trainer's projections equal u^T dW v of PEFT's own get_delta_weight (FSDP over one rank)."""
+def test_vllms_side_reads_the_same_with_every_slot_alone(worker, monkeypatch):
+    """The observed side stacks the slots of one shape (vLLM runs in this process): one slot per
+    stack reads the same values."""
+    from lorarl.rollout import vllm_lora_slots
+
+    move_adapter(worker, seed=1)
+    expected = worker.engine.lora_projections()
+    first_sync(worker, None)
+    layout = worker.rollout.adapter_layout()
+    slot_of = {path: layout.module_of(f"{semantic.PEFT_PREFIX}{path}.lora_A.weight")[0] for path in expected}
+    wanted = {slot_of[p]: (i, e.out_features, e.in_features) for i, (p, e) in enumerate(expected.items())}
+    stacked = worker.rollout.lora_projections(wanted)
+    monkeypatch.setattr(vllm_lora_slots, "STACK_BYTES", 1)
+    alone = worker.rollout.lora_projections(wanted)
+    assert stacked[2] == alone[2] == [] and torch.equal(stacked[1], alone[1])
+    torch.testing.assert_close(stacked[0], alone[0], rtol=1e-12, atol=0)
+
+
+def test_the_expected_side_is_pefts_delta(worker, monkeypatch):
+    """The trainer's projections equal u^T dW v of PEFT's own get_delta_weight (FSDP over one rank),
+    with the modules of one shape stacked and with every module alone."""
     move_adapter(worker, seed=2)
-    mine = worker.engine.lora_projections()
     theirs = peft_projections(worker.engine.model)
-    assert sorted(mine) == sorted(theirs)
-    for path, want in theirs.items():
-        torch.testing.assert_close(mine[path].values, want, rtol=1e-4, atol=1e-6)  # PEFT forms dW in float32
+    stacked = worker.engine.lora_projections()
+    monkeypatch.setattr(semantic, "STACK_BYTES", 1)
+    for mine in (stacked, worker.engine.lora_projections()):
+        assert sorted(mine) == sorted(theirs)
+        for path, want in theirs.items():
+            torch.testing.assert_close(mine[path].values, want, rtol=1e-4, atol=1e-6)  # PEFT forms dW in float32
     if worker.model_name == "qwen3_moe_tiny":
-        assert any(".experts.7.down_proj" in p for p in mine)
+        assert any(".experts.7.down_proj" in p for p in stacked)
 
 
 def fault_message(worker, fault: str) -> str | None:

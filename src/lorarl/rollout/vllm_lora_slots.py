@@ -17,7 +17,7 @@ from torch import Tensor
 from lorarl.errors import SyncError
 from lorarl.rollout.vllm_worker import _lora_adapters
 from lorarl.sync.fingerprint import fingerprint_rows
-from lorarl.sync.semantic import PROJECTIONS, slot_projections
+from lorarl.sync.semantic import PROJECTIONS, STACK_BYTES, slot_projections
 from lorarl.sync.transport import HeldSlots
 
 # A group: (slot names, A [n, rank, in], B [n, out, rank], held by one rank each under expert parallelism).
@@ -126,15 +126,27 @@ def lora_projections(
     values = torch.zeros(len(wanted), count, dtype=torch.float64)
     share = torch.zeros(len(wanted), dtype=torch.float64)
     stray = []
+    # A dense module's slot waits for the slots of its shape in the other layers: one stack each,
+    # a few kernels per shape instead of per module.
+    dense: dict[tuple, list[tuple[str, Tensor, Tensor]]] = {}
+    groups = []
     for names, a, b, spread in slot_groups(worker, lora_id):
         mine = [i for i, n in enumerate(names) if n in wanted]
         if len(mine) < len(names):
             taken = set(mine)
             stray += [n for i, n in enumerate(names) if i not in taken and bool(a[i].any()) and bool(b[i].any())]
-        if not mine:
-            continue
-        group = [names[i] for i in mine]
-        for held, projected, part in slot_projections(group, a[mine], b[mine], wanted, tp, spread, count):
+        if len(names) == 1 and mine and not spread:
+            dense.setdefault((a.shape, b.shape, a.dtype, a.device), []).append((names[0], a[0], b[0]))
+        elif mine:
+            groups.append(([names[i] for i in mine], a[mine], b[mine], spread))
+    for slots in dense.values():
+        _, a, b = slots[0]
+        per_stack = max(1, STACK_BYTES // (8 * (a.numel() + b.numel())))  # float64 in slot_projections
+        for at in range(0, len(slots), per_stack):
+            names, stack_a, stack_b = zip(*slots[at : at + per_stack])
+            groups.append((list(names), torch.stack(stack_a), torch.stack(stack_b), False))
+    for group, a, b, spread in groups:
+        for held, projected, part in slot_projections(group, a, b, wanted, tp, spread, count):
             index = torch.tensor([wanted[n][0] for n in held])
             values[index] = projected
             share[index] += part

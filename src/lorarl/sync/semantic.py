@@ -137,34 +137,56 @@ def _local(p: Tensor) -> tuple[Tensor, int]:
     return local, offset[0]
 
 
-def _module_sums(lora: TrainerLora, count: int) -> list[Tensor]:
-    """This rank's share of the four sums a module's projections need (R = rank x experts):
-    y = A v [count, R] and A's squared row sums [R] from A's rows, z = B^T u [parts, count, R]
-    and B's squared column sums [parts, R] from B's rows (parts: gate and up of a fused expert
-    parameter, else one). Summing the shares over the ranks that hold the rows gives the whole."""
-    a, a0 = _local(lora.a)
-    b, b0 = _local(lora.b)
-    rows_r, n_in = lora.a.shape
-    n_out = lora.b.shape[0]
-    v = signs(n_in, "in", count, device=a.device)
-    parts = EXPERT_PARTS[lora.parameter] if lora.parameter else (None,)
-    part_rows = n_out // len(parts)
-    y = torch.zeros(count, rows_r, dtype=torch.float64, device=a.device)
-    a_sq = torch.zeros(rows_r, dtype=torch.float64, device=a.device)
-    a64 = a.to(torch.float64)
-    y[:, a0 : a0 + a.shape[0]] = v @ a64.T
-    a_sq[a0 : a0 + a.shape[0]] = (a64 * a64).sum(1)
-    z = torch.zeros(len(parts), count, rows_r, dtype=torch.float64, device=a.device)
-    b_sq = torch.zeros(len(parts), rows_r, dtype=torch.float64, device=a.device)
-    b64 = b.to(torch.float64)
-    u = signs(part_rows, "out", count, device=a.device)
+def _stack_sums(loras: list[TrainerLora], held: list[tuple], count: int) -> list[list[Tensor]]:
+    """This rank's share of the four sums each module's projections need (R = rank x experts),
+    for modules whose factors have one shape and one sharding, stacked so that the work is a few
+    kernels per shape, not per module (a 7B model's 196 modules have 7 shapes): y = A v
+    [count, R] and A's squared row sums [R] from A's rows, z = B^T u [parts, count, R] and B's
+    squared column sums [parts, R] from B's rows (parts: gate and up of a fused expert parameter,
+    else one). `held`: each module's (A rows, offset), (B rows, offset) on this rank (_local).
+    Summing the shares over the ranks that hold the rows gives the whole."""
+    (_, a0), (_, b0) = held[0]
+    a64 = torch.stack([a for (a, _), _ in held]).to(torch.float64)  # [k, rows of A held, in]
+    b64 = torch.stack([b for _, (b, _) in held]).to(torch.float64)  # [k, rows of B held, R]
+    (rows_r, n_in), n_out, k = loras[0].a.shape, loras[0].b.shape[0], len(loras)
+    parts = EXPERT_PARTS[loras[0].parameter] if loras[0].parameter else (None,)
+    part_rows, f64, device = n_out // len(parts), torch.float64, a64.device
+    y = torch.zeros(k, count, rows_r, dtype=f64, device=device)
+    a_sq = torch.zeros(k, rows_r, dtype=f64, device=device)
+    y[:, :, a0 : a0 + a64.shape[1]] = torch.einsum("ci,kri->kcr", signs(n_in, "in", count, device=device), a64)
+    a_sq[:, a0 : a0 + a64.shape[1]] = (a64 * a64).sum(-1)
+    z = torch.zeros(k, len(parts), count, rows_r, dtype=f64, device=device)
+    b_sq = torch.zeros(k, len(parts), rows_r, dtype=f64, device=device)
+    u = signs(part_rows, "out", count, device=device)
     for i in range(len(parts)):
-        lo, hi = max(b0, i * part_rows), min(b0 + b.shape[0], (i + 1) * part_rows)
+        lo, hi = max(b0, i * part_rows), min(b0 + b64.shape[1], (i + 1) * part_rows)
         if lo < hi:
-            rows = b64[lo - b0 : hi - b0]
-            z[i] = u[:, lo - i * part_rows : hi - i * part_rows] @ rows
-            b_sq[i] = (rows * rows).sum(0)
-    return [y, a_sq, z, b_sq]
+            rows = b64[:, lo - b0 : hi - b0]
+            z[:, i] = torch.einsum("ch,khr->kcr", u[:, lo - i * part_rows : hi - i * part_rows], rows)
+            b_sq[:, i] = (rows * rows).sum(1)
+    return [[y[j], a_sq[j], z[j], b_sq[j]] for j in range(k)]
+
+
+STACK_BYTES = 256 << 20  # float64 factors stacked at once: bounded, an MoE's expert stacks are large
+
+
+def _module_sums(loras: list[TrainerLora], count: int) -> list[list[Tensor]]:
+    """_stack_sums of every module, in the order of `loras`: modules of one factor shape and
+    sharding are stacked, at most STACK_BYTES of float64 at a time."""
+    stacks: dict[tuple, list[list[int]]] = {}
+    held = [(_local(lora.a), _local(lora.b)) for lora in loras]
+    for i, lora in enumerate(loras):
+        key = (lora.parameter, tuple(lora.a.shape), tuple(lora.b.shape), lora.a.dtype, lora.b.dtype)
+        key += tuple((tuple(t.shape), offset, t.device) for t, offset in held[i])
+        chunks = stacks.setdefault(key, [[]])
+        if chunks[-1] and 8 * (lora.a.numel() + lora.b.numel()) * (len(chunks[-1]) + 1) > STACK_BYTES:
+            chunks.append([])
+        chunks[-1].append(i)
+    out: list[list[Tensor]] = [[] for _ in loras]
+    for chunk in (chunk for chunks in stacks.values() for chunk in chunks):
+        for i, sums in zip(chunk, _stack_sums([loras[i] for i in chunk], [held[i] for i in chunk], count)):
+            out[i] = sums
+    return out
 
 
 def trainer_projections(
@@ -173,7 +195,7 @@ def trainer_projections(
     """Per HF module path (and expert projection), the trainer's `u^T dW v`. Collective over the
     ranks that share the factors' shards: `all_reduce` sums a float64 tensor over them (None on
     one rank). One reduction for the whole model."""
-    shares = [_module_sums(lora, count) for lora in loras]
+    shares = _module_sums(loras, count)
     flat = torch.cat([t.reshape(-1) for share in shares for t in share])
     if all_reduce is not None:
         flat = all_reduce(flat)
