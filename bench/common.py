@@ -163,7 +163,8 @@ def save_by_shard(model, path: Path, shard_bytes: int = 4 << 30) -> None:
     from safetensors.torch import save_file
 
     model.config.architectures = [type(model).__name__]  # vLLM picks its model class by this name
-    model.config.save_pretrained(path), model.generation_config.save_pretrained(path)
+    for config in (model.config, model.generation_config):
+        config.save_pretrained(path)
     state, weight_map, shard, seen, total = model.state_dict(), {}, {}, set(), 0
     for i, (key, tensor) in enumerate(state.items()):
         if tensor.data_ptr() not in seen:  # else a tied head: the checkpoint holds the embedding once
