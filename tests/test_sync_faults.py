@@ -122,9 +122,7 @@ def test_vllms_side_reads_the_same_with_every_slot_alone(worker, monkeypatch):
     move_adapter(worker, seed=1)
     expected = worker.engine.lora_projections()
     first_sync(worker, None)
-    layout = worker.rollout.adapter_layout()
-    slot_of = {path: layout.module_of(f"{semantic.PEFT_PREFIX}{path}.lora_A.weight")[0] for path in expected}
-    wanted = {slot_of[p]: (i, e.out_features, e.in_features) for i, (p, e) in enumerate(expected.items())}
+    wanted = semantic.wanted_slots(expected, worker.rollout.adapter_layout())
     stacked = worker.rollout.lora_projections(wanted)
     monkeypatch.setattr(vllm_lora_slots, "STACK_BYTES", 1)
     alone = worker.rollout.lora_projections(wanted)

@@ -397,6 +397,15 @@ def verify(engine, rollout, rank: int | None = None) -> float:
     return verify_projections(engine.lora_projections(), rollout, rank)
 
 
+def wanted_slots(expected: dict[str, Projection], layout) -> dict[str, tuple[int, int, int]]:
+    """vLLM slot name -> (row of `expected`, full out, full in features): vLLM's own parser names
+    the slot each HF module's LoRA lands in."""
+    slot_of = {path: layout.module_of(f"{PEFT_PREFIX}{path}.lora_A.weight")[0] for path in expected}
+    if len(set(slot_of.values())) != len(slot_of):
+        raise SyncError("two trained LoRA modules map to one vLLM slot; vLLM cannot serve this adapter")
+    return {slot_of[path]: (i, p.out_features, p.in_features) for i, (path, p) in enumerate(expected.items())}
+
+
 def verify_projections(expected: dict[str, Projection], rollout, rank: int | None = None) -> float:
     """The semantic check's comparison, in the process that holds `rollout`: `expected` is the
     trainer's side (`lora_projections` of its engine, computed where the engine lives and sent
@@ -408,12 +417,7 @@ def verify_projections(expected: dict[str, Projection], rollout, rank: int | Non
             "the adapter never reached this rollout"
         )
     layout = rollout.adapter_layout()
-    # vLLM's own parser names the slot each HF module's LoRA lands in.
-    slot_of = {path: layout.module_of(f"{PEFT_PREFIX}{path}.lora_A.weight")[0] for path in expected}
-    if len(set(slot_of.values())) != len(slot_of):
-        raise SyncError("two trained LoRA modules map to one vLLM slot; vLLM cannot serve this adapter")
-    wanted = {slot_of[path]: (i, p.out_features, p.in_features) for i, (path, p) in enumerate(expected.items())}
-    values, share, stray = rollout.lora_projections(wanted)
+    values, share, stray = rollout.lora_projections(wanted_slots(expected, layout))
     observed = {path: row for path, row in zip(expected, zip(values.unbind(0), share.tolist()))}
     roundoff = unit_roundoff(rollout.torch_dtype, layout.lora_dtype)
     return compare(expected, observed, roundoff, rank, stray)
