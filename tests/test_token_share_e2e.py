@@ -1,7 +1,9 @@
 """data=token_share from a random-initialised tiny model (no warm-up) through the real entry point
 (Ray worker, FSDP2 over gloo, vLLM CPU with the synced adapter): the task gives a model that knows
 nothing a learning signal, so rewards differ within groups, gradients are non-zero, the reward
-climbs and the adapter moves the probe's log-probs. This is what random-weight shape runs on a GPU
+climbs and the adapter moves the probe's log-probs, which trainer and vLLM agree on every step at
+the float32 tolerance. For Qwen3 (q/k norms, every projection a LoRA target) the exported adapter
+is then loaded by PEFT and by vLLM from its folder, and both generate the same tokens. This is what random-weight shape runs on a GPU
 need before their sync checks mean anything (tests/gpu/moe_step.sh, tests/gpu/dense_step.sh).
 
 Measured for the thresholds (the settings below, trainer.seed 1 and 2; dense Qwen2 / Qwen3-MoE):
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.shape_summary import samples_per_step, step_rows, summarise
-from tests.test_grpo_e2e import grpo, metrics
+from tests.test_grpo_e2e import check_adapter_loads_in_peft_and_vllm, grpo, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,7 @@ def learning_failures(rows: list[dict]) -> list[str]:
 # weights on CPU (vLLM's CPU build serves no LoRA on MoE layers, docs/moe.md).
 MODELS = {
     "qwen2": ("qwen2_tiny", "adapter", "sync/adapter_match"),
+    "qwen3": ("qwen3_tiny", "adapter", "sync/adapter_match"),
     "qwen3_moe": ("qwen3_moe_tiny", "base", "sync/weights_match"),
 }
 
@@ -95,8 +98,16 @@ def test_random_model_learns_token_share(lorarl_cache, random_models, tmp_path, 
     rows = metrics(run)
     assert len(rows) == STEPS and all(r["sync/kind"] == kind and r[fingerprint] == 1.0 for r in rows)
     assert learning_failures(rows) == []
+    # Trainer and vLLM both in float32: the probe's default tolerance is 1e-3; measured <= 1.4e-6.
+    assert max(r["sync/logprob_diff_max"] for r in rows) < 1e-3
     assert 0.0 <= rows[-1]["val/token_share/reward/mean"] <= 1.0
     # The GPU shape runs' summary reads this run as they will read theirs.
     summary = summarise(step_rows(run / "metrics.jsonl"), samples_per_step(run), out.returncode)
     assert summary["passed"], summary["verdict"]
     assert (lorarl_cache / "data" / "token_share_v1_n1024" / "train.parquet").is_file()  # the generator wrote it
+    if arch == "qwen3":
+        config = json.loads((run / "final_adapter" / "adapter_config.json").read_text())
+        assert sorted(config["target_modules"]) == sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        )
+        check_adapter_loads_in_peft_and_vllm(run / "final_adapter", model)
