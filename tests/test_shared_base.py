@@ -32,18 +32,41 @@ def hf_name(trainer_name: str) -> str:
     return name
 
 
+def checkpoint_tensor(saved: dict, name: str) -> torch.Tensor:
+    """The checkpoint's tensor of a Hugging Face parameter name. Transformers holds a MoE layer's
+    experts as two stacks, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its
+    up rows) and `experts.down_proj` [E, H, I], where the checkpoint holds one tensor per expert
+    and projection; the stacks are rebuilt here from those, in that layout."""
+    if name in saved:
+        return saved[name]
+    experts, _, stack = name.rpartition(".")
+    count = 0
+    while f"{experts}.{count}.down_proj.weight" in saved:
+        count += 1
+    assert count and stack in ("gate_up_proj", "down_proj"), f"the checkpoint has no tensor for {name}"
+    parts = ("gate_proj", "up_proj") if stack == "gate_up_proj" else ("down_proj",)
+    return torch.stack([torch.cat([saved[f"{experts}.{e}.{part}.weight"] for part in parts]) for e in range(count)])
+
+
 def differ_from_checkpoint(worker) -> list[str]:
-    """Trainer base parameters whose values are not the checkpoint's own tensor of that name (read
+    """Trainer base parameters whose values are not the checkpoint's own tensors of that name (read
     from its safetensors files): a row view of the wrong part of a fused tensor, or a re-laid
     one, reads other values."""
+    return differing(worker.engine.model, Path(worker.spec.engine.model.path))
+
+
+def differing(model: torch.nn.Module, path: Path) -> list[str]:
     from safetensors.torch import load_file
 
     saved = {}
-    for path in sorted(Path(worker.spec.engine.model.path).glob("*.safetensors")):
-        saved.update(load_file(str(path)))
-    frozen = {hf_name(n): p for n, p in worker.engine.model.named_parameters() if not p.requires_grad}
-    assert set(frozen) <= set(saved)
-    return [name for name, p in frozen.items() if not torch.equal(p.detach().cpu(), saved[name].to(p.dtype))]
+    for file in sorted(path.glob("*.safetensors")):
+        saved.update(load_file(str(file)))
+    frozen = {hf_name(n): p for n, p in model.named_parameters() if not p.requires_grad}
+    return [
+        name
+        for name, p in frozen.items()
+        if not torch.equal(p.detach().cpu(), checkpoint_tensor(saved, name).to(p.dtype))
+    ]
 
 
 def unshared(worker) -> list[str]:
@@ -264,6 +287,27 @@ def test_default_recipe_trains_the_same_with_one_copy_or_two(run_cache, tmp_path
                 assert value == pytest.approx(b[key], abs=1e-3), key
             else:
                 assert value == b[key], (key, value, b[key])
+
+
+def test_checkpoint_comparison_rebuilds_expert_stacks_and_sees_a_swap():
+    """differ_from_checkpoint on a MoE (what the GPU check reads vLLM's fused-MoE stacks against):
+    transformers' expert stacks equal the per-expert checkpoint tensors; gate and up swapped in
+    one expert, or two experts exchanged, are seen in that stack alone."""
+    from transformers import AutoModelForCausalLM
+
+    from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
+
+    path = ensure_tiny_model(default_tiny_model_path(arch="qwen3_moe"), arch="qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).requires_grad_(False)
+    assert differing(model, path) == []
+    experts = model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        half = experts.gate_up_proj.shape[1] // 2
+        experts.gate_up_proj[3] = experts.gate_up_proj[3].roll(half, 0)  # gate and up exchanged
+        assert differing(model, path) == ["model.layers.1.mlp.experts.gate_up_proj"]
+        experts.gate_up_proj[3] = experts.gate_up_proj[3].roll(half, 0)
+        experts.down_proj[[0, 1]] = experts.down_proj[[1, 0]]
+        assert differing(model, path) == ["model.layers.1.mlp.experts.down_proj"]
 
 
 def test_base_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_path):
