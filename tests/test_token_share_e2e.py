@@ -3,13 +3,15 @@
 nothing a learning signal, so rewards differ within groups, gradients are non-zero, the reward
 climbs and the adapter moves the probe's log-probs, which trainer and vLLM agree on every step at
 the float32 tolerance. For Qwen3 (q/k norms, every projection a LoRA target) the exported adapter
-is then loaded by PEFT and by vLLM from its folder, and both generate the same tokens. This is what random-weight shape runs on a GPU
-need before their sync checks mean anything (tests/gpu/moe_step.sh, tests/gpu/dense_step.sh).
+is then loaded by PEFT and by vLLM from its folder, and both generate the same tokens. This is
+what random-weight shape runs on a GPU need before their sync checks mean anything
+(tests/gpu/moe_step.sh, tests/gpu/dense_step.sh).
 
-Measured for the thresholds (the settings below, trainer.seed 1 and 2; dense Qwen2 / Qwen3-MoE):
-reward of the last 3 steps minus the first 3, +0.092, +0.085 / +0.085, +0.078; the dense runs at
-lr 1e-9 (adapter still), -0.005 and +0.004. Probe `logprob_ref_diff_mean` first step to last,
-4.1x, 2.8x / 5.2x, 3.7x; `logprob_diff_max` at most 1.4e-6, >= 2.4e5x below the last ref diff.
+Measured for the thresholds (the settings below, trainer.seed 1 and 2; dense Qwen2 / Qwen3-MoE /
+Qwen3): reward of the last 3 steps minus the first 3, +0.092, +0.085 / +0.085, +0.078 / +0.074,
++0.091; the dense runs at lr 1e-9 (adapter still), -0.005 and +0.004. Probe
+`logprob_ref_diff_mean` first step to last, 4.1x, 2.8x / 5.2x, 3.7x / 6.0x, 5.6x;
+`logprob_diff_max` at most 1.4e-6, >= 2.4e5x below the last ref diff.
 With data=arith the random Qwen2 scores 0 on every sample of step 1: reward std 0 and grad_norm 0.
 """
 
