@@ -18,6 +18,7 @@ from pathlib import Path
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 WARMUP_STEPS = 2  # medians are over steps 3+
+SYNC_PARTS = ("gather", "transfer", "load", "adapter_check", "meaning_check", "weights_check", "probe")
 PHASES = ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s")
 # The targets at equal algorithm: step seconds at most, TRL's step over ours and the MFU at least.
 TARGETS = {
@@ -37,7 +38,8 @@ MFU_FORMULA = (
     "activation-gradient backward 2N per token, no base weight gradients, LoRA matmuls and attention scores "
     "not counted; mfu_update_hw = 6*N*tokens_per_step / (...) also counts the forward recomputed by gradient "
     "checkpointing, for runs that checkpoint (else '-'). N = all parameters from the shape (embedding "
-    "included, lm_head again when untied). "
+    "included, lm_head again when untied); for a mixture of experts the parameters one token runs through "
+    "(attention, router, top-k experts). "
     "update_s: lorarl timing/update (forward+backward+optimizer, no log-prob passes); TRL step minus "
     "_generate_and_score_completions."
 )
@@ -116,6 +118,10 @@ def lorarl_extras(rows: list[dict]) -> dict:
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
         "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
         "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],
+        # Where the sync went: each part's sync/<part>_seconds, median over steps 3+ (None: not logged).
+        "sync_parts_s": {
+            p: median([r[k] for r in rows[WARMUP_STEPS:] if k in r]) for p in SYNC_PARTS for k in [f"sync/{p}_seconds"]
+        },
     }
 
 
@@ -251,7 +257,9 @@ def _targets(entry: dict) -> str:
     marks = []
     for key, t in entry["targets"].items():
         got = "-" if t["got"] is None else (f"{t['got']:.1%}" if key == "mfu_update" else f"{t['got']:.2f}")
-        marks.append(f"{key} {got} vs {t['want']}: {'-' if t['met'] is None else ('met' if t['met'] else 'not met')}")
+        marks.append(
+            f"{key} {got} vs {t['want']:.3g}: {'-' if t['met'] is None else ('met' if t['met'] else 'not met')}"
+        )
     return "; ".join(marks) or "-"
 
 
@@ -301,7 +309,7 @@ def _in_order(rows: list[dict]) -> list[dict]:
 
 def _notes(row: dict) -> str:
     """A failure, allocator retries, the update's own peak (and whether the rollout slept for it),
-    and the kernels a run compiled."""
+    the sync's parts (medians over steps 3+) and the kernels a run compiled."""
     notes = [row["error"].splitlines()[0][:80]] if row.get("error") else []
     retries = sum(r or 0 for r in row.get("update_alloc_retries") or [])
     if retries:
@@ -313,6 +321,8 @@ def _notes(row: dict) -> str:
         behind = max((v for v in row.get("staleness") or [] if v is not None), default=None)
         wait = (row.get("breakdown") or {}).get("gen_wait_s")
         notes.append(f"generated beside the update (waited {fmt(wait)} s for it, staleness up to {behind})")
+    if parts := [f"{k} {v:.3f}" for k, v in (row.get("sync_parts_s") or {}).items() if v is not None]:
+        notes.append(f"sync {', '.join(parts)} s;")
     if new_cache_files(row):
         notes.append(f"kernel cache files added: {new_cache_files(row)}")
     return " ".join(notes)

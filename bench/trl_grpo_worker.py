@@ -107,32 +107,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-parameters", default="", help="comma list, e.g. mlp.experts.gate_up_proj")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta", type=float, default=0.001, help="KL coefficient (0: no reference pass)")
-    ap.add_argument(
-        "--micro-batch",
-        type=int,
-        default=None,
-        help="completions per forward (per_device_train_batch_size); the step's prompts x n completions are "
-        "split into gradient-accumulation micro-batches of this size, one optimizer step per generation "
-        "(default: all in one)",
-    )
+    ap.add_argument("--micro-batch", type=int, default=None, help="completions per forward (per_device_train_batch_size): "
+                    "the step's completions in gradient-accumulation micro-batches, one optimizer step (default: all in one)")  # fmt: skip
     ap.add_argument("--gradient-checkpointing", choices=sorted(on_off), default="on")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=None, help="default: TRL's")
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--keep-order", action="store_true", help="draw prompts in file order (no shuffle)")
     ap.add_argument("--ignore-eos", action="store_true", help="every completion runs to --max-tokens")
-    ap.add_argument(
-        "--vllm-is-correction",
-        choices=sorted(on_off),
-        default="on",
-        help="TRL's vLLM importance-sampling correction (on, TRL's default, adds an old-log-prob pass)",
-    )
-    ap.add_argument(
-        "--vllm-is-mode",
-        choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
-        default=None,
-        help="TRL's importance-sampling mode (default: TRL's)",
-    )
+    ap.add_argument("--vllm-is-correction", choices=sorted(on_off), default="on",
+                    help="TRL's vLLM importance-sampling correction (on, TRL's default, adds an old-log-prob pass)")  # fmt: skip
+    ap.add_argument("--vllm-is-mode", choices=sorted(TRL_IS_MODE.values()), default=None,
+                    help="TRL's importance-sampling mode (default: TRL's)")  # fmt: skip
     ap.add_argument("--vllm-is-clip-max", type=float, default=None, help="C_max (default: TRL's)")
     ap.add_argument("--vllm-is-clip-min", type=float, default=None, help="C_min (default: TRL's, none)")
     args = ap.parse_args(argv)

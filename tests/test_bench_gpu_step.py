@@ -230,6 +230,12 @@ def test_cpu_smoke_lorarl_run_writes_the_step_compare_row(run_cache, tmp_path):
     assert row["before"]["loadavg_1m"] >= 0 and row["after"]["mem_available_gib"] > 0
     assert row["during"]["samples"] > 0 and row["during"]["cpu_busy"]["n"] > 0
     assert "error" not in row
+    # Where the sync went (steps 3-4): the fingerprint and the semantic check run after every sync,
+    # the probe on the first and the last step only.
+    parts = row["sync_parts_s"]
+    assert all(parts[k] > 0 for k in ("gather", "load", "adapter_check", "meaning_check", "probe")), parts
+    assert parts["weights_check"] is None  # an adapter sync: the merged check does not run
+    assert f"sync gather {parts['gather']:.3f}," in (tmp_path / "smoke.md").read_text()
     (pair,) = result["pairs"]  # lorarl alone: the pair is there, with no TRL side
     assert (pair["correction"], pair["repeats"], pair["trl_step_s"]) == ("token_tis", [1], None)
     assert (tmp_path / "smoke.md").read_text().count(name) >= 3  # pairs, runs, start-up
