@@ -256,10 +256,9 @@ def _table(header: list[str]) -> list[str]:
 def _targets(entry: dict) -> str:
     marks = []
     for key, t in entry["targets"].items():
-        got = "-" if t["got"] is None else (f"{t['got']:.1%}" if key == "mfu_update" else f"{t['got']:.2f}")
-        marks.append(
-            f"{key} {got} vs {t['want']:.3g}: {'-' if t['met'] is None else ('met' if t['met'] else 'not met')}"
-        )
+        show = "{:.1%}" if key == "mfu_update" else "{:.2f}"
+        got, verdict = "-" if t["got"] is None else show.format(t["got"]), {None: "-", True: "met", False: "not met"}
+        marks.append(f"{key} {got} vs {show.format(t['want'])}: {verdict[t['met']]}")
     return "; ".join(marks) or "-"
 
 
