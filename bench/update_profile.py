@@ -34,6 +34,8 @@ from lorarl.prepare import engine_spec
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
     "7b": ("qwen2.5-7b", "qwen2_5_7b_instruct"),
+    "30b-a3b": ("qwen3-30b-a3b", "qwen3_30b_a3b"),  # attention + expert LoRA, as the preset targets
+    "moe-tiny": ("qwen3-moe-tiny", "qwen3_30b_a3b"),  # the same code paths at CPU size
     "tiny": (None, "qwen2_tiny"),
 }
 
@@ -198,6 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(PRESETS), default="0.5b")
     ap.add_argument("--backend", choices=("fsdp", "megatron"), default="fsdp")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: all; the 30b-a3b pair ran 16)")
     ap.add_argument("--memory", action="store_true", help="where the last variant's update peaks (cuda)")
     ap.add_argument("--variants", default="preset", help="';'-separated, each a ','-list of overrides or 'preset'")
     ap.add_argument("--warmup", type=int, default=2)
@@ -218,7 +221,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     cache = cache_dir()
     shape, preset = PRESETS[args.shape]
-    model = shaped_model(cache, shape, dtype="bfloat16", device=args.device) if shape else tiny_model(cache)
+    model = shaped_model(cache, shape, args.layers, device=args.device) if shape else tiny_model(cache)
     hf_config = json.loads((Path(model) / "config.json").read_text())
     n_params, vocab = param_count(hf_config), hf_config["vocab_size"]
     reserve = torch.empty(int(args.reserve_gib * 2**30), dtype=torch.uint8, device=device) if args.reserve_gib else None

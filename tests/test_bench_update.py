@@ -1,5 +1,5 @@
 """bench.update_profile on CPU: the code paths the GPU runs take (a real FSDPEngine over gloo on
-the tiny model), and the allocator-trace replay behind its --memory report."""
+the tiny Qwen3-MoE, attention and expert LoRA), and the allocator-trace replay behind --memory."""
 
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ def run(args: list[str], tmp_path: Path) -> None:
 def test_update_profile_times_variants_and_profiles_one(tmp_path):
     run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-         "-m", "bench.update_profile", "--shape", "tiny", "--device", "cpu", "--rows", "8", "--response", "4",
+         "-m", "bench.update_profile", "--shape", "moe-tiny", "--device", "cpu", "--rows", "8", "--response", "4",
          "--warmup", "0", "--repeats", "1", "--variants", "preset;backend.fused_lora=true",
          "--out", str(tmp_path)],
         tmp_path,
     )  # fmt: skip
-    result = json.loads((tmp_path / "update_profile_tiny.json").read_text())
+    result = json.loads((tmp_path / "update_profile_moe-tiny.json").read_text())
     assert [v["variant"] for v in result["variants"]] == ["preset", "backend.fused_lora=true"]
     for v in result["variants"]:
         assert v["median_s"] > 0 and v["micro_batches"] >= 1 and v["reference_median_s"] > 0 and v["mfu_update"] > 0
-    assert "Self CPU" in (tmp_path / "update_profile_tiny.txt").read_text()
+    assert "Self CPU" in (tmp_path / "update_profile_moe-tiny.txt").read_text()
 
 
 def test_memory_at_peak_counts_what_was_alive_at_the_highest_total():
