@@ -95,3 +95,70 @@ def test_expert_adapter_sync_over_two_gpus(tmp_path, expert_parallel):
     overrides = ["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"]
     overrides.append(f"rollout.enable_expert_parallel={str(expert_parallel).lower()}")
     run_recipe(tmp_path, f"moe_2gpu_{'ep' if expert_parallel else 'tp'}", overrides)
+
+
+def test_routed_expert_lora_grouped_gemms_match_the_per_expert_path_and_peft():
+    """backend.routed_expert_lora on CUDA in bf16 takes torch's grouped_mm; the same experts,
+    tokens and factors through the per-expert matmuls (the path the CPU tests compare with PEFT
+    in float64) and through PEFT's fold give the same output and factor gradients, to bf16's
+    rounding. 30B-A3B's widths (128 experts, H 2048, I 768), rank 16."""
+    import torch
+
+    from lorarl.engines import routed_expert_lora as rel
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    experts = Qwen3MoeExperts(config).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.02).requires_grad_(False)
+    hidden = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    index = torch.stack([torch.randperm(128, device="cuda")[:8] for _ in range(512)])
+    weights = torch.rand(512, 8, device="cuda", dtype=torch.bfloat16)
+    shapes = {"gate_up_proj": (2048, 1536), "down_proj": (768, 2048)}
+    factors = {
+        name: (torch.randn(128, 16, i, device="cuda") * 0.05, torch.randn(128, o, 16, device="cuda") * 0.05, 2.0)
+        for name, (i, o) in shapes.items()
+    }
+
+    def run(path) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [t.clone().requires_grad_(True) for a, b, _ in factors.values() for t in (a, b)]
+        lora = {
+            n: (leaves[2 * i].bfloat16(), leaves[2 * i + 1].bfloat16(), f[2])
+            for i, (n, f) in enumerate(factors.items())
+        }
+        out = path(lora)
+        (out.float() * torch.linspace(-1, 1, 2048, device="cuda")).sum().backward()
+        return out.float(), [t.grad for t in leaves]
+
+    assert rel._grouped_mm_fits(hidden, experts, {n: f for n, f in factors.items()})
+    grouped = run(lambda lora: rel.routed_experts(experts, hidden, index, weights, lora))
+    original = rel._grouped_mm_fits
+    rel._grouped_mm_fits = lambda *_: False
+    try:
+        per_expert = run(lambda lora: rel.routed_experts(experts, hidden, index, weights, lora))
+    finally:
+        rel._grouped_mm_fits = original
+
+    def folded(lora):  # PEFT's arithmetic: W + s B A on the whole stack, then transformers' experts
+        saved = {n: getattr(experts, n) for n in lora}
+        try:
+            for n, (a, b, s) in lora.items():
+                delattr(experts, n)
+                setattr(experts, n, saved[n] + s * torch.bmm(b, a))
+            return experts(hidden, index, weights)
+        finally:
+            for n, p in saved.items():
+                delattr(experts, n)
+                experts.register_parameter(n, p)
+
+    fold = run(folded)
+    for other in (per_expert, fold):
+        torch.testing.assert_close(grouped[0], other[0], rtol=2e-2, atol=2e-2)
+        for g, h in zip(grouped[1], other[1], strict=True):
+            assert (g - h).norm() <= 2e-2 * h.norm(), ((g - h).norm(), h.norm())

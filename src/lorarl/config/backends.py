@@ -35,6 +35,11 @@ class FSDPBackendConfig:
     # Off: at 7B on one H200 the update took 2.76 against 2.79 s, within the spread
     # (bench/results/update_profile_2026-12-04b).
     fused_lora: bool = MISSING
+    # Expert LoRA (model.lora.target_parameters) applied to each expert's routed tokens through
+    # rank-r products (lorarl.engines.routed_expert_lora) instead of PEFT folding B A into the
+    # whole expert stack on every forward and back-propagating through it; the same math, no
+    # gradient for the frozen stacks. Off: not yet timed on a GPU.
+    routed_expert_lora: bool = MISSING
     # auto | true | false. Shared: the trainer's frozen base is a view of the colocated vLLM
     # engine's weights (one copy per device, no base load, shard, all-gather or sync; only the LoRA
     # parameters are FSDP's). auto shares wherever it can and says why not once at start-up

@@ -31,6 +31,7 @@ from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, read_metri
 from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
+from lorarl.engines.routed_expert_lora import route_expert_lora
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, TrainingError, first_line
 from lorarl.peft_io import peft_lora_config
@@ -85,6 +86,8 @@ def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = Non
             p.data = p.data.float()
     if spec.backend.fused_lora:
         fuse_lora_linears(peft_model)
+    if spec.backend.routed_expert_lora:
+        route_expert_lora(peft_model)
     return peft_model
 
 

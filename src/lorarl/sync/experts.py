@@ -94,19 +94,24 @@ def experts_module(wrapper_module: str) -> str:
     return wrapper_module
 
 
+def expert_factors(a: Tensor, b: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """PEFT's stacked factors A [r*E, in] (expert-major rows) and B [out, r*E] (expert-minor
+    columns) as per-expert A [E, r, in] and B [E, out, r], views."""
+    rank = a.shape[0] // num_experts
+    return a.reshape(num_experts, rank, a.shape[1]), b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)
+
+
 def stacked_expert_factors(a: Tensor, b: Tensor, wrapper: ExpertWrapper) -> list[tuple[str, Tensor, Tensor]]:
     """Per projection vLLM loads from one PEFT stack: (gate_proj | up_proj | down_proj,
     A [E, r, in], B [E, out, r]), views of PEFT's factors. gate and up share A and split B's rows
     (gate first)."""
     e = wrapper.num_experts
-    rank = a.shape[0] // e
-    if a.shape[0] != rank * e or b.shape[1] != a.shape[0]:
+    if a.shape[0] % e or b.shape[1] != a.shape[0]:
         raise SyncError(
             f"expert LoRA factors {tuple(a.shape)} / {tuple(b.shape)} of '{wrapper.module}' do not hold {e} "
             "experts of one rank"
         )
-    a_e = a.reshape(e, rank, a.shape[1])
-    b_e = b.reshape(b.shape[0], rank, e).permute(2, 0, 1)
+    a_e, b_e = expert_factors(a, b, e)
     projections = VLLM_EXPERT_PROJECTIONS[wrapper.parameter]
     rows = b.shape[0] // len(projections)
     return [(proj, a_e, b_e[:, i * rows : (i + 1) * rows]) for i, proj in enumerate(projections)]
@@ -114,9 +119,7 @@ def stacked_expert_factors(a: Tensor, b: Tensor, wrapper: ExpertWrapper) -> list
 
 def expert_delta(a: Tensor, b: Tensor, num_experts: int, scaling: float) -> Tensor:
     """scaling * B_e @ A_e for every expert, as [E, out, in] (the stacked parameter's layout)."""
-    rank = a.shape[0] // num_experts
-    a_e = a.reshape(num_experts, rank, a.shape[1])
-    b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)
+    a_e, b_e = expert_factors(a, b, num_experts)
     return torch.bmm(b_e, a_e) * scaling
 
 
