@@ -113,6 +113,7 @@ def _grouped_mm(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
 
 
 def _per_expert_mm(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+    """What _grouped_mm computes, one matmul per expert that has rows (any device and dtype)."""
     starts = [0, *ends[:-1].tolist()]
     parts = [x[s:e] @ weight[i].t() for i, (s, e) in enumerate(zip(starts, ends.tolist(), strict=True)) if e > s]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
