@@ -242,3 +242,74 @@ def test_a_shared_base_keeps_no_gathered_weights():
     resharded = compose(["+backend=fsdp", "model=qwen2_5_7b_instruct"])
     assert shared == run_update_bytes(resharded, dims, dp_size=1, model_parallel=1)
     assert (kept - shared) / GIB == pytest.approx(numel * 2 / GIB, rel=0.01)
+
+
+def qwen3_moe_lora(layers: int, routed: bool):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lorarl.engines.routed_expert_lora import route_expert_lora
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=8192, moe_intermediate_size=96, num_experts=16,
+        num_experts_per_tok=4, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=256, tie_word_embeddings=True, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[:4], target_parameters=list(EXPERT_TARGETS))
+    model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    if routed:
+        route_expert_lora(model)
+    return cfg, model
+
+
+EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["peft_fold", "routed"])
+def test_moe_layer_estimate_bounds_what_autograd_keeps(routed):
+    """A Qwen3-MoE with attention and expert LoRA, per layer: what autograd saves per token is
+    bounded by the estimate within 2x (the dense MLP width in its config, never used, plays no
+    part), and PEFT's fold saves one folded expert stack per layer whatever the tokens, which the
+    estimate counts; the routed expert LoRA saves no stack."""
+    saved = {}
+    for seq in (32, 64):
+        ids = torch.randint(0, 512, (4, seq), generator=torch.Generator().manual_seed(seq))
+        cfg, four = qwen3_moe_lora(4, routed)
+        _, two = qwen3_moe_lora(2, routed)
+        saved[seq] = (saved_bytes(four, ids) - saved_bytes(two, ids)) / 2
+    per_token = (saved[64] - saved[32]) / (4 * 32)
+    fixed = saved[32] - per_token * 4 * 32
+    dims = ModelDims.of(cfg)
+    estimate = layer_activation_bytes(dims, dtype_bytes=2)
+    assert per_token <= estimate <= 2 * per_token, (per_token, estimate)
+    stack = dims.expert_stack_numel() * 2
+    kw = dict(tokens=256, response_tokens=128, checkpointing=False, rank=8, targets=TARGETS[:4], dtype_bytes=2)
+    folded = update_bytes(dims, expert_targets=list(EXPERT_TARGETS), folded_expert_lora=True, **kw)
+    unfolded = update_bytes(dims, expert_targets=list(EXPERT_TARGETS), **kw)
+    assert folded - unfolded == (dims.layers + 1) * stack  # every layer's folded stack, and one gradient
+    if routed:
+        assert fixed < stack / 10, (fixed, stack)
+    else:
+        assert stack <= fixed < 1.1 * stack, (fixed, stack)
+
+
+def test_the_30b_a3b_preset_counts_its_expert_lora_and_the_fold():
+    """Qwen3-30B-A3B at rank 16 on attention and every expert: 643M LoRA parameters (the preset's
+    own count), 10 GB of float32 weights, gradients and AdamW moments; PEFT's fold adds two
+    expert stacks (2.3 GiB in bf16) under checkpointing, which backend.routed_expert_lora saves."""
+    from transformers import Qwen3MoeConfig
+
+    from bench.common import SHAPES
+    from lorarl.config.compose import compose
+    from lorarl.memory import lora_numel
+    from lorarl.prepare import run_update_bytes
+
+    dims = ModelDims.of(Qwen3MoeConfig(**{k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "model_type"}))
+    assert lora_numel(dims, 16, TARGETS[:4], list(EXPERT_TARGETS)) == pytest.approx(643e6, rel=0.005)
+    run = compose(["+backend=fsdp", "model=qwen3_30b_a3b"])
+    folded = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
+    run.backend.routed_expert_lora = True
+    routed = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
+    assert folded - routed == 2 * dims.expert_stack_numel() * 2 and 2.2 * GIB < folded - routed < 2.4 * GIB
+    assert routed > 16 * 643e6  # the LoRA state alone

@@ -32,11 +32,16 @@ class ModelDims:
     kv_heads: int
     head_dim: int
     vocab: int
+    # A mixture of experts (every layer's MLP routed): experts, each one's width, experts per token.
+    experts: int = 0
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def of(cls, hf_config) -> ModelDims:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
         return cls(
             hidden=hf_config.hidden_size,
             intermediate=hf_config.intermediate_size,
@@ -45,7 +50,14 @@ class ModelDims:
             kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             vocab=hf_config.vocab_size,
+            experts=experts,
+            expert_intermediate=hf_config.moe_intermediate_size if experts else 0,
+            experts_per_token=hf_config.num_experts_per_tok if experts else 0,
         )
+
+    def expert_stack_numel(self) -> int:
+        """One layer's routed experts: gate_up [E, 2I, H] and down [E, H, I]."""
+        return 3 * self.experts * self.hidden * self.expert_intermediate
 
 
 def weight_numel(d: ModelDims, tied_head: bool = False) -> int:
@@ -54,7 +66,8 @@ def weight_numel(d: ModelDims, tied_head: bool = False) -> int:
     estimate below counts the head apart even when tied (generous); the benchmarks' MFU counts
     what the checkpoint holds (bench.step_report.param_count)."""
     q, kv, h = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden
-    per_layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * d.intermediate + 2 * h
+    mlp = d.expert_stack_numel() + d.experts * h if d.experts else 3 * h * d.intermediate  # experts + router
+    per_layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + mlp + 2 * h
     return d.layers * per_layer + (1 if tied_head else 2) * d.vocab * h + h
 
 
@@ -65,11 +78,18 @@ def layer_activation_bytes(d: ModelDims, dtype_bytes: int) -> int:
     norms = 2 * (8 + b) * h  # two RMSNorms: float32 input and normalised copy, cast output
     attention = b * (q + 2 * kv) + 2 * b * (q + kv) + 4 * b * q + b * q  # projections, rotary, SDPA, o_proj input
     mlp = 4 * b * d.intermediate  # gate, up, SiLU(gate), the product fed to down_proj
+    if d.experts:  # per routed copy of the token: its input, gate and up, SiLU(gate), the product, the output
+        mlp = d.experts_per_token * b * (2 * h + 5 * d.expert_intermediate) + 8 * d.experts  # + router softmax
     return norms + attention + mlp
 
 
-def lora_numel(d: ModelDims, rank: int, targets: list[str]) -> int:
+def lora_numel(d: ModelDims, rank: int, targets: list[str], expert_targets: list[str] = ()) -> int:
+    """LoRA parameters on `targets` (projection names) and on the fused expert stacks
+    `expert_targets` names (model.lora.target_parameters: A [r*E, in] and B [out, r*E] each)."""
     q, kv, h, inter = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden, d.intermediate
+    e, i = d.experts, d.expert_intermediate
+    stacks = {"gate_up_proj": e * (h + 2 * i), "down_proj": e * (i + h)}
+    experts = d.layers * rank * sum(stacks.get(t.rsplit(".", 1)[-1], 0) for t in expert_targets)
     shapes = {
         "q_proj": (h, q),
         "k_proj": (h, kv),
@@ -80,7 +100,9 @@ def lora_numel(d: ModelDims, rank: int, targets: list[str]) -> int:
         "down_proj": (inter, h),
     }
     per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
-    return per_layer * d.layers if per_layer else rank * 7 * (h + inter) * d.layers  # unknown names: all seven
+    if not per_layer and not experts:  # unknown names: all seven
+        return rank * 7 * (h + inter) * d.layers
+    return per_layer * d.layers + experts
 
 
 def update_bytes(
@@ -97,6 +119,8 @@ def update_bytes(
     vocab_parallel: bool = False,
     gathered_weights_held: bool = False,
     attention_scores_width: int = 0,
+    expert_targets: list[str] = (),
+    folded_expert_lora: bool = False,
 ) -> int:
     """Peak extra GPU memory of one micro-batch's forward + backward (`tokens` padded positions,
     `response_tokens` of them under the LM head, or all of them with `head_at_every_position`;
@@ -107,7 +131,9 @@ def update_bytes(
     size: at 7B +14.5 GiB measured, bench/results/update_profile_2026-12-04c), plus with
     `attention_scores_width` the attention probabilities of an attention that materialises them
     over rows that wide (Megatron's local spec: its softmax's float32 output and the copy in the
-    model's dtype that the value matmul keeps, per token and head; quadratic in the length)."""
+    model's dtype that the value matmul keeps, per token and head; quadratic in the length), plus
+    with `folded_expert_lora` (PEFT's fold of expert LoRA into the stacks) the folded stack autograd
+    keeps for each layer whose backward is pending and the stack's gradient (two with checkpointing)."""
     per_layer = layer_activation_bytes(d, dtype_bytes) + d.heads * attention_scores_width * (4 + dtype_bytes)
     if checkpointing:  # each layer keeps its input; one layer is recomputed in full at a time
         activations = tokens * (d.layers * dtype_bytes * d.hidden + per_layer)
@@ -121,7 +147,11 @@ def update_bytes(
     else:
         logits = 3 * head_tokens * d.vocab * dtype_bytes  # logits, their gradient, a float32 block
     held = weight_numel(d) * dtype_bytes if gathered_weights_held else 0
-    return (activations + logits + held) // model_parallel + 16 * lora_numel(d, rank, targets) // model_parallel
+    if folded_expert_lora:
+        held += (1 if checkpointing else d.layers) * d.expert_stack_numel() * dtype_bytes
+        held += d.expert_stack_numel() * dtype_bytes  # the folded stack's gradient, one layer at a time
+    lora = 16 * lora_numel(d, rank, targets, expert_targets)
+    return (activations + logits + held + lora) // model_parallel
 
 
 @dataclass(frozen=True)

@@ -293,4 +293,7 @@ def run_update_bytes(
         vocab_parallel=backend.head_at_every_position and getattr(b, "tensor_model_parallel_size", 1) > 1,
         gathered_weights_held=getattr(b, "reshard_after_forward", True) is False and not shared_base,
         attention_scores_width=seq if getattr(b, "transformer_impl", None) == "local" else 0,
+        expert_targets=list(run.model.lora.target_parameters or ()),
+        # FSDP trains them through PEFT, which folds them into the stacks unless routed.
+        folded_expert_lora=bool(run.model.lora.target_parameters) and getattr(b, "routed_expert_lora", True) is False,
     )
