@@ -42,6 +42,8 @@ class ModelDims:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+        # Qwen-MoE's expert width; Mixtral-style configs give it as intermediate_size.
+        width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         return cls(
             hidden=hf_config.hidden_size,
             intermediate=hf_config.intermediate_size,
@@ -51,7 +53,7 @@ class ModelDims:
             head_dim=head_dim,
             vocab=hf_config.vocab_size,
             experts=experts,
-            expert_intermediate=hf_config.moe_intermediate_size if experts else 0,
+            expert_intermediate=width if experts else 0,
             experts_per_token=hf_config.num_experts_per_tok if experts else 0,
         )
 
