@@ -55,7 +55,7 @@ class Shape:
 SHAPE_RUNS = {
     "0.5b": Shape("qwen2.5-0.5b", "qwen2_5_0_5b_instruct", 0.4, lorarl_wall_s=125, trl_wall_s=60),
     "7b": Shape("qwen2.5-7b", "qwen2_5_7b_instruct", 0.35, lorarl_wall_s=250, trl_wall_s=135),
-    "30b-a3b": Shape("qwen3-30b-a3b", "qwen3_30b_a3b", 0.5, lorarl_wall_s=420, trl_wall_s=480),
+    "30b-a3b": Shape("qwen3-30b-a3b", "qwen3_30b_a3b", 0.5, lorarl_wall_s=180, trl_wall_s=150),  # 16 layers, H100
     "tiny": Shape(None, "qwen2_tiny", None, lorarl_wall_s=60, trl_wall_s=40),
 }
 
