@@ -17,7 +17,8 @@
 # 48 layers on an H200. On an H100 (80 GB) at GPU_UTIL=0.80 vLLM fits only with its batch cut
 # (+rollout.engine_kwargs.max_num_batched_tokens=2048), and then step 1 ran out of memory in the
 # update: 14.5 GiB beside vLLM hold less than the LoRA state and the update
-# (tests/gpu_logs/moe/README.md); by the estimate, model.lora.rank=8 backend.routed_expert_lora=true fits there. With two copies (backend.share_base=false) use LAYERS=32
+# (tests/gpu_logs/moe/README.md); by the estimate, model.lora.rank=8 backend.routed_expert_lora=true
+# fits there. With two copies (backend.share_base=false) use LAYERS=32
 # GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 LAYERS=24 GPU_UTIL=0.55
 # ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB).
 # If model build + run exceed one call, build first (it is reused while the machine stays up):
