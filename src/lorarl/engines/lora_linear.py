@@ -52,8 +52,9 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[1]).addmm_(a, b, beta=0, alpha=s)
 
 
-def _fusable(layer, x: torch.Tensor) -> str | None:
-    """The active adapter's name when PEFT's forward would be exactly LoRALinear, else None."""
+def plain_adapter(layer) -> str | None:
+    """The name of a PEFT LoRA layer's one active adapter when its forward applies exactly that,
+    unmerged, as vanilla LoRA without dropout; else None (disabled, merged, several, DoRA, ...)."""
     if layer.disable_adapters or layer.merged:
         return None
     adapters = layer.active_adapters
@@ -61,6 +62,14 @@ def _fusable(layer, x: torch.Tensor) -> str | None:
         return None
     name = adapters[0]
     if name not in layer.lora_A or name in layer.lora_variant or not isinstance(layer.lora_dropout[name], nn.Identity):
+        return None
+    return name
+
+
+def _fusable(layer, x: torch.Tensor) -> str | None:
+    """The active adapter's name when PEFT's forward would be exactly LoRALinear, else None."""
+    name = plain_adapter(layer)
+    if name is None:
         return None
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if type(base) is not nn.Linear or b.bias is not None or base.weight.requires_grad:

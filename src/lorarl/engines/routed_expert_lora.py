@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lorarl.engines.lora_linear import plain_adapter
 from lorarl.sync.experts import expert_factors
 
 
@@ -52,20 +53,17 @@ def _chain(outer: nn.Module) -> tuple[list[nn.Module], nn.Module]:
 def _routable(wrappers: list[nn.Module], experts: nn.Module) -> str | None:
     """The active adapter's name when every wrapper would apply exactly it, unmerged and without
     dropout, to a (experts, out, in) stack of a gate-up/down experts module; else None."""
-    names = {tuple(w.active_adapters) for w in wrappers}
-    if len(names) != 1 or len(next(iter(names))) != 1:
+    names = {plain_adapter(w) for w in wrappers}
+    if len(names) != 1 or None in names:
         return None
-    name = next(iter(names))[0]
     for w in wrappers:
-        if w.disable_adapters or w.merged or name not in w.lora_A or name in w.lora_variant:
+        if not w._did_swap_in_out_features or w.parameter_name not in ("gate_up_proj", "down_proj"):
             return None
-        if not isinstance(w.lora_dropout[name], nn.Identity) or not w._did_swap_in_out_features:
-            return None
-        if w.parameter_name not in ("gate_up_proj", "down_proj") or w.num_experts != experts.num_experts:
+        if w.num_experts != experts.num_experts:
             return None
     if not getattr(experts, "is_concatenated", True) or getattr(experts, "has_bias", False):
         return None
-    return name
+    return names.pop()
 
 
 def _forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args, **kwargs) -> Tensor:
