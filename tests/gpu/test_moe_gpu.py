@@ -159,7 +159,9 @@ def test_routed_expert_lora_grouped_gemms_match_the_per_expert_path_and_peft():
                 experts.register_parameter(n, p)
 
     fold = run(folded)
+    # By norm, not element by element: the three paths sum in different orders in bf16, and a few
+    # of the 1M outputs land ulps apart (5 beyond atol 0.02 on one H100), while a wrong expert,
+    # factor or gate/up half moves the whole output or gradient.
     for other in (per_expert, fold):
-        torch.testing.assert_close(grouped[0], other[0], rtol=2e-2, atol=2e-2)
-        for g, h in zip(grouped[1], other[1], strict=True):
+        for g, h in zip((grouped[0], *grouped[1]), (other[0], *other[1]), strict=True):
             assert (g - h).norm() <= 2e-2 * h.norm(), ((g - h).norm(), h.norm())
