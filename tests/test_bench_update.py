@@ -22,12 +22,12 @@ def test_update_profile_times_variants_and_profiles_one(tmp_path):
     run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
          "-m", "bench.update_profile", "--shape", "moe-tiny", "--device", "cpu", "--rows", "8", "--response", "4",
-         "--warmup", "0", "--repeats", "1", "--variants", "preset;backend.routed_expert_lora=true",
+         "--warmup", "0", "--repeats", "1", "--variants", "preset;backend.routed_expert_lora=false",
          "--out", str(tmp_path)],
         tmp_path,
     )  # fmt: skip
     result = json.loads((tmp_path / "update_profile_moe-tiny.json").read_text())
-    assert [v["variant"] for v in result["variants"]] == ["preset", "backend.routed_expert_lora=true"]
+    assert [v["variant"] for v in result["variants"]] == ["preset", "backend.routed_expert_lora=false"]
     for v in result["variants"]:
         assert v["median_s"] > 0 and v["micro_batches"] >= 1 and v["reference_median_s"] > 0 and v["mfu_update"] > 0
     assert "Self CPU" in (tmp_path / "update_profile_moe-tiny.txt").read_text()

@@ -52,16 +52,19 @@ def test_committed_sleep_plan_run_passes_its_gpu_checks():
     )
 
 
-@pytest.mark.parametrize("name", ["dense/dense_step_token_share", "moe/moe_step_l24_token_share"])
-def test_committed_shape_runs_pass_their_verdict_recomputed(name):
-    """tests/gpu/dense_step.sh (7B shape) and moe_step.sh (30B-A3B shape, 24 layers) on one H100:
+@pytest.mark.parametrize(
+    ("name", "n_steps"),
+    [("dense/dense_step_token_share", 20), ("moe/moe_step_l24_token_share", 20), ("moe/moe_step_l48_h100_routed", 10)],
+)
+def test_committed_shape_runs_pass_their_verdict_recomputed(name, n_steps):
+    """tests/gpu/dense_step.sh (7B shape) and moe_step.sh (30B-A3B shape, 24 and all 48 layers) on one H100:
     the verdict recomputed here from the committed steps, by tests/gpu/shape_summary's rules: the
     reward rose, the semantic and transport checks were 1 on every step, and the adapter's effect
     on the probe is at least 10x the probe's noise."""
     from tests.gpu.shape_summary import adapter_effect, checks_passed, reward_rose
 
     steps = json.loads((Path(__file__).parent / "gpu_logs" / f"{name}.json").read_text())["steps"]
-    assert len(steps) == 20
+    assert len(steps) == n_steps
     assert reward_rose(steps, samples_per_step=16 * 8)["passed"]
     assert checks_passed(steps, rc=0)["passed"]
     assert {k for s in steps for k in s["checks"]} == {"sync/adapter_match", "sync/adapter_meaning"}

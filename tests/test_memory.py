@@ -297,7 +297,7 @@ def test_moe_layer_estimate_bounds_what_autograd_keeps(routed):
 def test_the_30b_a3b_preset_counts_its_expert_lora_and_the_fold():
     """Qwen3-30B-A3B at rank 16 on attention and every expert: 643M LoRA parameters (the preset's
     own count), 10 GB of float32 weights, gradients and AdamW moments; PEFT's fold adds two
-    expert stacks (2.3 GiB in bf16) under checkpointing, which backend.routed_expert_lora saves."""
+    expert stacks (2.3 GiB in bf16) under checkpointing, which backend.routed_expert_lora (the default) saves."""
     from transformers import Qwen3MoeConfig
 
     from bench.common import SHAPES
@@ -308,8 +308,8 @@ def test_the_30b_a3b_preset_counts_its_expert_lora_and_the_fold():
     dims = ModelDims.of(Qwen3MoeConfig(**{k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "model_type"}))
     assert lora_numel(dims, 16, TARGETS[:4], list(EXPERT_TARGETS)) == pytest.approx(643e6, rel=0.005)
     run = compose(["+backend=fsdp", "model=qwen3_30b_a3b"])
+    routed = run_update_bytes(run, dims, dp_size=1, model_parallel=1)  # the default
+    run.backend.routed_expert_lora = False
     folded = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
-    run.backend.routed_expert_lora = True
-    routed = run_update_bytes(run, dims, dp_size=1, model_parallel=1)
     assert folded - routed == 2 * dims.expert_stack_numel() * 2 and 2.2 * GIB < folded - routed < 2.4 * GIB
     assert routed > 16 * 643e6  # the LoRA state alone

@@ -14,11 +14,11 @@
 # GPU_UTIL=0.5 (69.9 GiB of an H200: 59.6 GiB of weights and LoRA slots, 6.1 GiB for its profile's
 # forward, the rest KV cache), leaving ~65 GiB for the LoRA state (0.2 GiB per layer at rank 16:
 # 13.4M LoRA parameters in fp32 with gradients and Adam) and the update's activations. Not yet run at
-# 48 layers on an H200. On an H100 (80 GB) at GPU_UTIL=0.80 vLLM fits only with its batch cut
-# (+rollout.engine_kwargs.max_num_batched_tokens=2048), and then step 1 ran out of memory in the
-# update: 14.5 GiB beside vLLM hold less than the LoRA state and the update
-# (tests/gpu_logs/moe/README.md); by the estimate, model.lora.rank=8 backend.routed_expert_lora=true
-# fits there. With two copies (backend.share_base=false) use LAYERS=32
+# 48 layers on an H200. On an H100 (80 GB) all 48 layers trained at rank 8 (tests/gpu_logs/moe/README.md):
+#   LAYERS=48 GPU_UTIL=0.80 STEPS=10 bash tests/gpu/moe_step.sh backend.liger_kernel=false rollout.free_cache_engine=false \
+#     actor.ppo_max_token_len_per_gpu=2048 actor.log_prob_max_token_len_per_gpu=2048 \
+#     +rollout.engine_kwargs.max_num_batched_tokens=2048 model.lora.rank=8
+# With two copies (backend.share_base=false) use LAYERS=32
 # GPU_UTIL=0.4 (2 x 38.3 GiB of weights, ~35 GiB for the update). On an H100 LAYERS=24 GPU_UTIL=0.55
 # ran (33.4 GiB free beside the engine, the update peaked at 7.3 GiB).
 # If model build + run exceed one call, build first (it is reused while the machine stays up):

@@ -38,7 +38,9 @@ class FSDPBackendConfig:
     # Expert LoRA (model.lora.target_parameters) applied to each expert's routed tokens through
     # rank-r products (lorarl.engines.routed_expert_lora) instead of PEFT folding B A into the
     # whole expert stack on every forward and back-propagating through it; the same math, no
-    # gradient for the frozen stacks. Off: not yet timed on a GPU.
+    # gradient for the frozen stacks. On: at 30B-A3B's shape (16 layers, one H100) the update took
+    # 2.43 s against the fold's 3.16 s (bench/results/update_profile_2026-12-06_moe), and without
+    # the folded stacks all 48 layers fit beside vLLM on one H100 (tests/gpu_logs/moe).
     routed_expert_lora: bool = MISSING
     # auto | true | false. Shared: the trainer's frozen base is a view of the colocated vLLM
     # engine's weights (one copy per device, no base load, shard, all-gather or sync; only the LoRA
