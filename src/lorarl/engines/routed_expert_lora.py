@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lorarl.config.schema import EXPERT_PROJECTIONS
 from lorarl.engines.lora_linear import plain_adapter
 from lorarl.sync.experts import expert_factors
 
@@ -57,7 +58,7 @@ def _routable(wrappers: list[nn.Module], experts: nn.Module) -> str | None:
     if len(names) != 1 or None in names:
         return None
     for w in wrappers:
-        if not w._did_swap_in_out_features or w.parameter_name not in ("gate_up_proj", "down_proj"):
+        if not w._did_swap_in_out_features or w.parameter_name not in EXPERT_PROJECTIONS:
             return None
         if w.num_experts != experts.num_experts:
             return None
