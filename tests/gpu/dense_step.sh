@@ -7,6 +7,7 @@
 #   bash tests/gpu/dense_step.sh                                the moving-adapter run
 #   TAG=qk_swap bash tests/gpu/dense_step.sh +trainer.sync_fault=qk_swap   an injected fault
 # Extra Hydra overrides pass through (after the script's own). TAG names the outputs.
+# BACKEND=megatron trains with the Megatron backend (TP=1; two copies of the base on the GPU).
 # Off the GPU (a random tiny Qwen2, float32, 12 steps): SHAPE=tiny bash tests/gpu/dense_step.sh
 # Writes to $OUT (default /tmp/dense_out): dense_step[_TAG].log and dense_step[_TAG].json (per step:
 # reward mean/std, grad_norm, sync checks, the probe's three numbers, timings; then the verdict:
@@ -32,13 +33,15 @@ else
   # without the subset's direction the reward stayed at 0.125 however far the adapter moved.
   # backend.liger_kernel=false: the run measures the sync and its checks, not the loss kernel, and
   # needs only vLLM, transformers and PEFT on the machine.
-  ARGS=(model=qwen2_5_7b_instruct backend.liger_kernel=false rollout.enforce_eager=false data.train_batch_size=${PROMPTS:-16} rollout.n=8
+  ARGS=(model=qwen2_5_7b_instruct rollout.enforce_eager=false data.train_batch_size=${PROMPTS:-16} rollout.n=8
         actor.ppo_mini_batch_size=${PROMPTS:-16} data.max_response_length=128 actor.optim.lr=${LR:-1e-3}
         trainer.total_steps=${STEPS:-20})
 fi
+B=${BACKEND:-fsdp}
+[ "$B" = fsdp ] && [ "${SHAPE:-gpu}" != tiny ] && ARGS+=(backend.liger_kernel=false)
 RUN=/tmp/dense_run_$(date +%H%M%S)
 # Under a time limit; metrics.jsonl is written every step, so a cut run keeps its steps.
-timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=fsdp "${ARGS[@]}" model.path="$M" model.builder=null \
+timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=$B "${ARGS[@]}" model.path="$M" model.builder=null \
   data=token_share trainer.check_sync_probe_freq=1 trainer.logger=[console,jsonl] \
   trainer.val_before_train=false trainer.test_freq=-1 trainer.progress_bar=false hydra.run.dir=$RUN "$@" \
   > "$OUT/$NAME.log" 2>&1

@@ -7,6 +7,7 @@
 #   bash tests/gpu/moe_step.sh                                  the moving-adapter run
 #   TAG=expert_swap bash tests/gpu/moe_step.sh +trainer.sync_fault=expert_swap   an injected fault
 # Extra Hydra overrides pass through (after the script's own). TAG names the outputs.
+# BACKEND=megatron trains with the Megatron backend (EP=1; two copies of the base: fewer LAYERS).
 # Off the GPU (the same script at CPU size, merged sync, 12 steps): SHAPE=tiny bash tests/gpu/moe_step.sh
 # Layers: all 48 by default, with one copy of the base (backend.share_base=auto: the trainer's
 # weights are views of vLLM's). The bf16 model is 61 GB (57 GiB), so it is written to MODEL_ROOT
@@ -51,7 +52,7 @@ else
 fi
 RUN=/tmp/moe_run_$(date +%H%M%S)
 # Under a time limit; metrics.jsonl is written every step, so a cut run keeps its steps.
-timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=fsdp model=qwen3_30b_a3b model.path="$M" model.builder=null \
+timeout ${LORARL_S:-540} $PY -m recipes.grpo +backend=${BACKEND:-fsdp} model=qwen3_30b_a3b model.path="$M" model.builder=null \
   data=token_share "${ARGS[@]}" trainer.check_sync_probe_freq=1 trainer.logger=[console,jsonl] \
   trainer.val_before_train=false trainer.test_freq=-1 trainer.progress_bar=false hydra.run.dir=$RUN "$@" \
   > "$OUT/$NAME.log" 2>&1
