@@ -50,27 +50,7 @@ def translate(
     backend, values, notes = read_args(args, problems)
     result = Translation([], [], notes=notes, backend=backend)
     defaults = defaults_for(backend, dapo="dapo" in module)
-    mapped: dict[str, tuple[str, str]] = {}  # lorarl key -> (value, verl key it came from)
-    for key, value in values.items():
-        row, to = verl_row(key)
-        if not accepted(row, key, value, False, problems):
-            continue
-        if to is None:
-            result.ignored.append((key, value, row.note))
-            continue
-        value = row.convert(value) if row.convert else row.values.get(value, value)
-        if to == "+backend" or key in derived_values():
-            continue
-        if not backend_has(backend, to):
-            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
-            continue
-        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
-            if to in SMALLER_WINS:
-                value = str(min(int(parsed(mapped[to][0])), int(parsed(value))))
-            else:
-                problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
-                continue
-        mapped[to] = (value, key)
+    mapped = map_values(values, backend, result, problems)
     check_lora(values, defaults, backend, lora_rank, mapped, result, problems)
     warmup_from_ratio(values, mapped, result, problems)
     reward_file(values, mapped, result, problems)
@@ -86,6 +66,50 @@ def translate(
     overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
     result.overrides = carry_defaults(overrides, values, backend, defaults, result)
     return result
+
+
+def map_values(values: dict[str, str], backend: str, result: Translation, problems: Problems) -> dict:
+    """{lorarl key: (value, the verl key it came from)} of the launch's accepted keys; ignored keys
+    go to `result`, refused ones to `problems`."""
+    mapped: dict[str, tuple[str, str]] = {}
+    for key, value in values.items():
+        row, to = verl_row(key)
+        if not accepted(row, key, value, False, problems):
+            continue
+        if to is None:
+            result.ignored.append((key, value, row.note))
+            continue
+        if value.strip() == "":
+            continue  # read_args named it
+        try:
+            value = row.convert(value) if row.convert else row.values.get(value, value)
+        except (TypeError, ValueError):
+            problems.append(f"{key}={value}: not a value this key takes ({row.note})")
+            continue
+        if to == "+backend" or key in derived_values():
+            continue
+        if not backend_has(backend, to):
+            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
+            continue
+        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
+            value = one_value(to, mapped[to], key, value, problems)
+            if value is None:
+                continue
+        mapped[to] = (value, key)
+    return mapped
+
+
+def one_value(to: str, first: tuple[str, str], key: str, value: str, problems: Problems) -> str | None:
+    """The value of lorarl key `to` that two verl keys set differently: the smaller of two budgets
+    (SMALLER_WINS), else None with the problem named."""
+    if to in SMALLER_WINS:
+        try:
+            return str(min(int(parsed(first[0])), int(parsed(value))))
+        except (TypeError, ValueError):
+            problems.append(f"{first[1]}={first[0]} and {key}={value} set {to}: give whole numbers")
+            return None
+    problems.append(f"{first[1]} and {key} both set {to} but differ; give them one value")
+    return None
 
 
 def warmup_from_ratio(values, mapped, result: Translation, problems: Problems) -> None:
