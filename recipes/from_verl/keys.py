@@ -148,8 +148,6 @@ ROLLOUT_KEYS = (
     Key(A + "rollout.free_cache_engine", "rollout.free_cache_engine", "lorarl's null = sleep only when needed"),
     Key(A + "rollout.dtype", "rollout.dtype"),
     Key(A + "rollout.max_model_len", "rollout.max_model_len"),
-    Key(A + "rollout.prompt_length", "data.max_prompt_length", "verl's follows data.max_prompt_length"),
-    Key(A + "rollout.response_length", "data.max_response_length", "verl's follows data.max_response_length"),
     Key(
         A + "rollout.log_prob_max_token_len_per_gpu",
         "actor.log_prob_max_token_len_per_gpu",
@@ -174,6 +172,9 @@ DATA_KEYS = (
     Key("data.gen_batch_size", "data.gen_batch_size"),
     Key("data.max_prompt_length", "data.max_prompt_length"),
     Key("data.max_response_length", "data.max_response_length"),
+    # After data's own rows, so a default carried is stated under data's key.
+    Key(A + "rollout.prompt_length", "data.max_prompt_length", "verl's follows data.max_prompt_length"),
+    Key(A + "rollout.response_length", "data.max_response_length", "verl's follows data.max_response_length"),
     Key("data.filter_overlong_prompts", "data.filter_overlong_prompts"),
     Key("data.truncation", "data.truncation"),
     Key("data.shuffle", "data.shuffle"),
