@@ -137,6 +137,27 @@ def test_hydra_forms_are_read_or_named(arg, needle):
     assert line.startswith(needle), line
 
 
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            [A + "ref.log_prob_max_token_len_per_gpu=big", A + "rollout.log_prob_max_token_len_per_gpu=4096"],
+            A + "ref.log_prob_max_token_len_per_gpu=big and " + A + "rollout.log_prob_max_token_len_per_gpu=4096 set "
+            "actor.log_prob_max_token_len_per_gpu: give whole numbers",
+        ),
+        (
+            [A + "rollout.expert_parallel_size=four"],
+            A + "rollout.expert_parallel_size=four: not a value this key takes",
+        ),
+    ],
+)
+def test_values_a_derived_key_cannot_use_are_one_line(args, needle):
+    with pytest.raises(VerlTranslationError) as err:
+        translate([*LORA, *args])
+    (line,) = err.value.problems
+    assert line.startswith(needle), line
+
+
 def test_plus_forms_set_the_key():
     result = translate([*LORA, "++trainer.total_epochs=2", "+trainer.save_freq=7"])
     assert {"trainer.total_epochs=2", "trainer.save_freq=7"} <= set(result.overrides)
