@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lorarl.config.compose import compose
-from recipes.from_verl import VerlTranslationError, translate, verl_row
+from recipes.from_verl import VERL_KEYS, VerlTranslationError, translate, verl_row
 from recipes.from_verl.reading import foreign_line, known_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,12 @@ def test_every_key_of_every_release_has_a_row():
         }
     )
     assert not missing, missing
+
+
+def test_each_key_is_spelt_in_one_row():
+    """keys.py and ignored_keys.yaml are one table: a key in both would have two meanings."""
+    spellings = [row.verl for row in VERL_KEYS]
+    assert len(spellings) == len(set(spellings)), sorted({k for k in spellings if spellings.count(k) > 1})
 
 
 def test_the_extractor_composes_a_release_with_its_component_files(tmp_path):
