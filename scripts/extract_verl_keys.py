@@ -1,8 +1,9 @@
 """Regenerate recipes/verl_data/ from checkouts of verl and verl-recipe.
 
 python scripts/extract_verl_keys.py --verl path/to/verl --recipe path/to/verl-recipe
+python scripts/extract_verl_keys.py --verl path/to/verl --releases v0.3.0.post1 v0.4.0 ...
 
-Writes two files, each naming the commit it was read from:
+The first form writes two files, each naming the commit it was read from:
   verl_defaults.json  verl's trainer defaults, flat dotted key -> value, for the FSDP config
                       (verl/trainer/config/_generated_ppo_trainer.yaml) and the Megatron one
                       (_generated_ppo_megatron_trainer.yaml), interpolations resolved where
@@ -13,14 +14,22 @@ Writes two files, each naming the commit it was read from:
 A checkout is a work tree or a bare git directory (read at HEAD). The keys are read from the
 script text, not by running it: a key is a dotted word under one of verl's top-level config
 sections followed by `=`.
+
+The second form writes releases/<tag>.json per release tag: every key of verl's FSDP and
+Megatron trainer configs at that tag with its default, composed by Hydra as verl composes them
+(ppo_trainer.yaml / ppo_megatron_trainer.yaml with the component files of their defaults
+lists), so keys no published script sets are known too.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -33,11 +42,18 @@ CONFIGS = {
 DAPO_CONFIGS = {"fsdp": "dapo/config/dapo_trainer.yaml", "megatron": "dapo/config/dapo_megatron_trainer.yaml"}
 TREES = {"verl": ("examples/",), "verl-recipe": ("dapo/",)}
 MODULE = re.compile(r"-m\s+([A-Za-z_][\w.]*)")
+CONFIG_DIR = "verl/trainer/config"
+TRAINER_CONFIGS = {"fsdp": "ppo_trainer", "megatron": "ppo_megatron_trainer"}
+
+
+def gitdir(repo: Path) -> Path:
+    return repo if (repo / "HEAD").is_file() and not (repo / ".git").exists() else repo / ".git"
 
 
 def git(repo: Path, *args: str) -> str:
-    gitdir = repo if (repo / "HEAD").is_file() and not (repo / ".git").exists() else repo / ".git"
-    return subprocess.run(["git", f"--git-dir={gitdir}", *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", f"--git-dir={gitdir(repo)}", *args], check=True, capture_output=True, text=True
+    ).stdout
 
 
 def flatten(node, prefix: str = "") -> dict:
@@ -61,6 +77,39 @@ def defaults(verl: Path) -> dict:
         cfg = OmegaConf.create(git(verl, "show", f"HEAD:{path}"))
         out[backend] = dict(sorted(flatten(cfg).items()))
     return out
+
+
+def release_defaults(verl: Path, tag: str) -> dict:
+    """{backend: {key: default}} of verl's trainer configs at `tag`, composed by Hydra from that
+    tag's config folder (as `python -m verl.trainer.main_ppo` composes them, without overrides)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    archive = subprocess.run(
+        ["git", f"--git-dir={gitdir(verl)}", "archive", tag, CONFIG_DIR], check=True, capture_output=True
+    ).stdout
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp, filter="data")
+        for backend, name in TRAINER_CONFIGS.items():
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(Path(tmp) / CONFIG_DIR), version_base=None):
+                out[backend] = dict(sorted(flatten(compose(name)).items()))
+    GlobalHydra.instance().clear()
+    return out
+
+
+def write_releases(verl: Path, tags: list[str]) -> None:
+    (OUT / "releases").mkdir(parents=True, exist_ok=True)
+    for tag in tags:
+        head = {
+            "repository": "volcengine/verl",
+            "tag": tag,
+            "commit": git(verl, "rev-list", "-n1", tag).strip(),
+            "files": {b: f"{CONFIG_DIR}/{n}.yaml" for b, n in TRAINER_CONFIGS.items()},
+        }
+        body = json.dumps({**head, **release_defaults(verl, tag)}, indent=1, default=str)
+        (OUT / "releases" / f"{tag}.json").write_text(body + "\n")
 
 
 def dapo_overlay(recipe: Path) -> dict:
@@ -107,8 +156,14 @@ def one_script_a_line(keys: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--verl", type=Path, required=True)
-    parser.add_argument("--recipe", type=Path, required=True)
+    parser.add_argument("--recipe", type=Path, help="a verl-recipe checkout (the first form)")
+    parser.add_argument("--releases", nargs="+", metavar="TAG", help="verl release tags (the second form)")
     ns = parser.parse_args()
+    if ns.releases:
+        write_releases(ns.verl, ns.releases)
+        return
+    if ns.recipe is None:
+        parser.error("--recipe is needed unless --releases is given")
     verl_commit = git(ns.verl, "rev-parse", "HEAD").strip()
     recipe_commit = git(ns.recipe, "rev-parse", "HEAD").strip()
     flat = defaults(ns.verl)

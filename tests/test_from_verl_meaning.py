@@ -141,23 +141,34 @@ def test_full_fine_tuning_is_refused_in_one_line_and_lora_rank_opts_in():
     assert not translate(LORA + [A + "actor.optim.lr=3e-5"]).warnings
 
 
-def test_one_pass_lists_every_problem():
+def test_one_pass_lists_every_problem_the_decisive_first():
+    """What decides the launch (no LoRA rank, a non-Qwen model, verl's default estimator gae) comes
+    first, then each key's own problem, then one line for the keys of no verl release."""
     with pytest.raises(VerlTranslationError) as err:
         translate(
             [
-                A + "model.path=org/Other-7B",
                 A + "actor.optim.weight_decai=0.1",
+                "my_fork.search.max_turns=4",
                 A + "rollout.name=sglang",
                 "trainer.log_val_generation=10",
+                A + "model.path=org/Other-7B",
             ]
         )
-    text = "\n".join(err.value.problems)
-    assert len(err.value.problems) == 6, text
-    assert "did you mean actor_rollout_ref.actor.optim.weight_decay" in text
-    assert "did you mean trainer.log_val_generations" in text
-    assert "rollout.name=sglang: lorarl supports only vllm" in text
-    assert "algorithm.adv_estimator unset means verl's default gae" in text
-    assert "--lora-rank" in text and "pass --model" in text
+    lines = err.value.problems
+    assert len(lines) == 5, "\n".join(lines)
+    assert lines[0].startswith(A + "model.lora_rank=unset") and "--lora-rank" in lines[0]
+    assert lines[1].startswith(A + "model.path=org/Other-7B: not a Qwen2") and "pass --model" in lines[1]
+    assert lines[2].startswith("algorithm.adv_estimator unset means verl's default gae")
+    assert lines[3].startswith(A + "rollout.name=sglang: lorarl supports only vllm")
+    assert lines[4].startswith(
+        A + "actor.optim.weight_decai (did you mean actor_rollout_ref.actor.optim.weight_decay or "
+    )
+    assert (
+        ", my_fork.search.max_turns, trainer.log_val_generation (did you mean trainer.log_val_generations?): "
+        in lines[4]
+    )
+    assert "none of these 3 keys is in verl's trainer config of any release lorarl knows" in lines[4]
+    assert all("\n" not in line for line in lines)
 
 
 DAPO_SCRIPT = r"""

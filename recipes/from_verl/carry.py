@@ -24,7 +24,15 @@ GSPO_AGG = "seq-mean-token-mean"
 
 def derived_values() -> frozenset[str]:
     """verl keys whose lorarl value is derived here rather than mapped as written."""
-    return frozenset({SP, MICRO, A + "actor.optim.lr_warmup_steps_ratio"})
+    return frozenset(
+        {
+            SP,
+            MICRO,
+            A + "actor.optim.lr_warmup_steps_ratio",
+            "custom_reward_function.path",
+            "custom_reward_function.name",
+        }
+    )
 
 
 def effective(values: dict[str, str], key: str, defaults: dict):
@@ -114,6 +122,7 @@ def carry_defaults(
         if (
             not known
             or row.verl in unused
+            or row.verl in derived_values()
             or row.to in (None, "+backend")
             or row.to in set_by_script
             or row.to in out

@@ -42,6 +42,14 @@ def split_costs(run, hf, splits: dict[str, int]) -> list[str]:
     ]
 
 
+def reward_check(reward_fn: str) -> str:
+    """data.reward_fn loads as training will load it: a reward file runs (as verl runs it)."""
+    from lorarl.rewards.custom import load_function
+
+    spec, _ = load_function(reward_fn)
+    return f"data.reward_fn: {spec.where} loads and defines {spec.name}"
+
+
 def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> list[str]:
     """lorarl's validation of `overrides`, then its model-shape and vLLM-argument checks where
     they can run here, and the cost of verl's sequence `splits`. Returns what was checked, one
@@ -54,6 +62,8 @@ def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> li
     done = ["lorarl's config validation (every group's checks and the cross-group ones)"]
     check_engine_kwargs(run)
     done.append("rollout.engine_kwargs against the installed vLLM's engine arguments")
+    if run.data.reward_fn:
+        done.append(reward_check(run.data.reward_fn))
     hf = local_hf_config(run.model.path, run.model.trust_remote_code)
     if hf is None:
         done.append(f"model shape checks skipped: {run.model.path} is not on this machine")

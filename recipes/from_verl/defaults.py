@@ -54,6 +54,8 @@ DELIBERATE: dict[str, str] = {
     "data.max_response_length, used only when the buffer is on",
     "algorithm.filter_groups.metric": "verl-recipe's null must be named when filtering is on; lorarl's acc is the "
     "reward function's value, as verl's DAPO scripts name it",
+    "custom_reward_function.name": "a name inside the file of custom_reward_function.path, read with it "
+    "(data.reward_fn=PATH:NAME)",
     "trainer.logger": "lorarl logs to the console and a jsonl file; add wandb with trainer.logger",
     "trainer.project_name": "a name only",
     "trainer.experiment_name": "a name only",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +44,9 @@ def parse_qwen(path: str) -> QwenName | None:
     return QwenName(family, float(match["size"]))
 
 
+@cache
 def _preset_paths() -> dict[str, str]:
-    """{preset name: model.path} of every conf/model preset, read with OmegaConf (no Hydra)."""
+    """{preset name: model.path} of every conf/model preset, read with OmegaConf (no Hydra) once."""
     from omegaconf import OmegaConf
 
     out = {}

@@ -3,10 +3,12 @@ how it reads and writes override values as Hydra does."""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import sys
 from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -39,12 +41,22 @@ class Translation:
 
 
 def parsed(value: str):
-    """The value Hydra (verl's config system too) gives `key=value`."""
-    return OverridesParser.create().parse_overrides([f"k={value}"])[0].value()
+    """The value Hydra (verl's config system too) gives `key=value` (a copy: callers may keep it)."""
+    return copy.deepcopy(_parsed(value))
+
+
+@lru_cache(maxsize=4096)
+def _parsed(value: str):
+    return _parser().parse_overrides([f"k={value}"])[0].value()
+
+
+@cache
+def _parser() -> OverridesParser:
+    return OverridesParser.create()
 
 
 def render(value) -> str:
-    """A Python value as a Hydra override value."""
+    """A Python value as a Hydra override value (quoted unless Hydra reads it bare; `~` needs quotes)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -54,9 +66,7 @@ def render(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(render(v) for v in value) + "]"
     text = str(value)
-    return (
-        text if re.fullmatch(r"[A-Za-z_~/.][\w./~-]*", text) and text not in ("null", "true", "false") else repr(text)
-    )
+    return text if re.fullmatch(r"[A-Za-z_/.][\w./-]*", text) and text not in ("null", "true", "false") else repr(text)
 
 
 def same(a, b) -> bool:

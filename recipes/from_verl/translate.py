@@ -1,20 +1,20 @@
 """verl's trainer arguments -> the lorarl overrides that train the same way.
 
 The translation starts from verl's defaults (recipes.from_verl.defaults) and collects every
-problem it finds (unknown keys with close matches, refused values, full fine-tuning, the model
-preset) before raising them together.
+problem it finds (refused values, full fine-tuning, the model preset, keys of no verl release)
+before raising them together, the decisive ones first (recipes.from_verl.errors.Problems).
 """
 
 from __future__ import annotations
 
-import difflib
-
 from recipes.from_verl.carry import carry_defaults, derived_values
-from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for, verl_defaults
-from recipes.from_verl.errors import VerlTranslationError
-from recipes.from_verl.keys import BY_VERL, VERL_KEYS, A, Key, verl_row
+from recipes.from_verl.defaults import DELIBERATE, default_of, defaults_for
+from recipes.from_verl.errors import Problems
+from recipes.from_verl.keys import VERL_KEYS, A, Key, verl_row
 from recipes.from_verl.models import model_preset, preset_names
+from recipes.from_verl.reading import read_args
 from recipes.from_verl.result import Difference, Translation, parsed, render, same
+from recipes.from_verl.reward_file import reward_file
 
 RANK_KEYS = (A + "model.lora_rank", A + "model.lora.rank")
 FULL_FT_LR = 5e-6  # below this a learning rate is a full fine-tune's; LoRA trains at ~1e-5 and up
@@ -22,61 +22,7 @@ FULL_FT_LR = 5e-6  # below this a learning rate is a full fine-tune's; LoRA trai
 SMALLER_WINS = ("actor.log_prob_max_token_len_per_gpu",)
 
 
-def split_override(arg: str) -> tuple[str, str]:
-    key, sep, value = arg.partition("=")
-    if arg.strip() in ("", "\\"):
-        raise VerlTranslationError(
-            f"{arg!r}: a stray argument (a backslash or space left by the script's line continuations, which "
-            "verl's Hydra refuses too); remove it"
-        )
-    if not sep or not key:
-        raise VerlTranslationError(f"{arg!r} is not a verl override (key=value)")
-    if key.startswith("~"):
-        raise VerlTranslationError(f"{arg}: deleting verl keys has no lorarl equivalent; leave it out")
-    return key.lstrip("+"), value
-
-
-def known_names() -> list[str]:
-    names = {k.verl for k in VERL_KEYS if not k.verl.endswith(".*")}
-    for backend in ("fsdp", "megatron"):
-        names |= set(verl_defaults()[backend])
-    return sorted(names)
-
-
-def read_args(args: list[str], problems: list[str]) -> tuple[str, dict[str, str]]:
-    """(backend, {verl key: value as written}); bad and unknown keys go to `problems`."""
-    backend, values, unknown = "fsdp", {}, []
-    for arg in args:
-        if arg.startswith("--config-name") or arg.startswith("--config-path"):
-            name = arg.partition("=")[2].strip("'\"")
-            if arg.startswith("--config-name") and "megatron" in name:
-                backend = "megatron"
-            continue
-        try:
-            key, value = split_override(arg)
-        except VerlTranslationError as err:
-            problems.extend(err.problems)
-            continue
-        if verl_row(key)[0] is None:
-            unknown.append(key)
-        values[key] = value
-    for key in unknown:
-        close = difflib.get_close_matches(key, known_names(), n=2, cutoff=0.8)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        problems.append(f"{key}: not a verl key lorarl knows{hint}; remove it or see recipes/from_verl/keys.py")
-        del values[key]
-    for key, value in values.items():
-        if value.strip() == "" and verl_row(key)[1] is not None:
-            problems.append(f"{key}= has no value (a variable the script did not set?); set it or give the value")
-    strategy = values.get(A + "actor.strategy")
-    if strategy is not None:
-        backend = BY_VERL[A + "actor.strategy"].values.get(strategy, backend)
-    elif any(k.startswith(A + "actor.megatron.") for k in values):
-        backend = "megatron"  # only a Megatron config has these keys (a custom --config-name)
-    return backend, values
-
-
-def accepted(row: Key, key: str, value, unset: bool, problems: list[str]) -> bool:
+def accepted(row: Key, key: str, value, unset: bool, problems: Problems) -> bool:
     """Whether `value` (a string as written, or verl's default when `unset`) is one lorarl takes."""
     allowed = row.only or tuple(row.values)
     if not allowed:
@@ -85,7 +31,8 @@ def accepted(row: Key, key: str, value, unset: bool, problems: list[str]) -> boo
         return True
     said = f"{key} unset means verl's default {render(value)}" if unset else f"{key}={value}"
     verb = "lorarl supports only" if row.only else "use one of"
-    problems.append(f"{said}: {verb} {' or '.join(allowed)}" + (f" ({row.note})" if row.note else ""))
+    line = f"{said}: {verb} {' or '.join(allowed)}" + (f" ({row.note})" if row.note else "")
+    (problems.decisive if row.decisive else problems.keys).append(line)
     return False
 
 
@@ -99,33 +46,14 @@ def translate(
     """lorarl overrides for the arguments of verl's `module` (its --config-name picks the backend;
     a DAPO module starts from verl-recipe's DAPO defaults)."""
 
-    problems: list[str] = []
-    backend, values = read_args(args, problems)
-    result = Translation([], [], backend=backend)
+    problems = Problems()
+    backend, values, notes = read_args(args, problems)
+    result = Translation([], [], notes=notes, backend=backend)
     defaults = defaults_for(backend, dapo="dapo" in module)
-    mapped: dict[str, tuple[str, str]] = {}  # lorarl key -> (value, verl key it came from)
-    for key, value in values.items():
-        row, to = verl_row(key)
-        if not accepted(row, key, value, False, problems):
-            continue
-        if to is None:
-            result.ignored.append((key, value, row.note))
-            continue
-        value = row.convert(value) if row.convert else row.values.get(value, value)
-        if to == "+backend" or key in derived_values():
-            continue
-        if not backend_has(backend, to):
-            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
-            continue
-        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
-            if to in SMALLER_WINS:
-                value = str(min(int(parsed(mapped[to][0])), int(parsed(value))))
-            else:
-                problems.append(f"{mapped[to][1]} and {key} both set {to} but differ; give them one value")
-                continue
-        mapped[to] = (value, key)
+    mapped = map_values(values, backend, result, problems)
     check_lora(values, defaults, backend, lora_rank, mapped, result, problems)
     warmup_from_ratio(values, mapped, result, problems)
+    reward_file(values, mapped, result, problems)
     head = [f"+backend={backend}"]
     head += model_choice(values, model, problems)
     if data or "data.train_files" in values:
@@ -134,14 +62,57 @@ def translate(
         known, default = default_of(row, backend, defaults)
         if known and row.verl not in values and row.only and default != "???" and row.verl not in DELIBERATE:
             accepted(row, row.verl, default, True, problems)
-    if problems:
-        raise VerlTranslationError(*problems)
+    problems.raise_any()
     overrides = head + [f"{k}={v}" for k, (v, _) in mapped.items()]
     result.overrides = carry_defaults(overrides, values, backend, defaults, result)
     return result
 
 
-def warmup_from_ratio(values, mapped, result: Translation, problems: list[str]) -> None:
+def map_values(values: dict[str, str], backend: str, result: Translation, problems: Problems) -> dict:
+    """{lorarl key: (value, the verl key it came from)} of the launch's accepted keys; ignored keys
+    go to `result`, refused ones to `problems`."""
+    mapped: dict[str, tuple[str, str]] = {}
+    for key, value in values.items():
+        row, to = verl_row(key)
+        if not accepted(row, key, value, False, problems):
+            continue
+        if to is None:
+            result.ignored.append((key, value, row.note))
+            continue
+        if value.strip() == "":
+            continue  # read_args named it
+        try:
+            value = row.convert(value) if row.convert else row.values.get(value, value)
+        except (TypeError, ValueError):
+            problems.append(f"{key}={value}: not a value this key takes ({row.note})")
+            continue
+        if to == "+backend" or key in derived_values():
+            continue
+        if not backend_has(backend, to):
+            result.ignored.append((key, value, f"not a setting of +backend={backend}"))
+            continue
+        if to in mapped and not same(parsed(mapped[to][0]), parsed(value)):
+            value = one_value(to, mapped[to], key, value, problems)
+            if value is None:
+                continue
+        mapped[to] = (value, key)
+    return mapped
+
+
+def one_value(to: str, first: tuple[str, str], key: str, value: str, problems: Problems) -> str | None:
+    """The value of lorarl key `to` that two verl keys set differently: the smaller of two budgets
+    (SMALLER_WINS), else None with the problem named."""
+    if to in SMALLER_WINS:
+        try:
+            return str(min(int(parsed(first[0])), int(parsed(value))))
+        except (TypeError, ValueError):
+            problems.append(f"{first[1]}={first[0]} and {key}={value} set {to}: give whole numbers")
+            return None
+    problems.append(f"{first[1]} and {key} both set {to} but differ; give them one value")
+    return None
+
+
+def warmup_from_ratio(values, mapped, result: Translation, problems: Problems) -> None:
     """verl warms up for int(ratio x total steps) when lr_warmup_steps is unset (-1); lorarl counts
     warmup in steps, so the ratio needs trainer.total_training_steps to become one."""
     key, steps_key = A + "actor.optim.lr_warmup_steps_ratio", A + "actor.optim.lr_warmup_steps"
@@ -172,7 +143,7 @@ def backend_has(backend: str, to: str) -> bool:
     return to.lstrip("+").split(".")[1] in {f.name for f in fields(schema)}
 
 
-def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation, problems: list[str]) -> None:
+def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation, problems: Problems) -> None:
     """Full fine-tuning (no LoRA rank, or 0) is refused unless --lora-rank opts in; a learning rate
     that looks like a full fine-tune's gets a warning."""
     rank_key = RANK_KEYS[1] if backend == "megatron" and RANK_KEYS[1] in values else RANK_KEYS[0]
@@ -185,7 +156,7 @@ def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation
         rank = lora_rank
     elif not rank:
         unset = "unset, verl's default 0" if given is None else given
-        problems.append(
+        problems.decisive.append(
             f"{rank_key}={unset}: this launch fine-tunes every weight, and lorarl trains LoRA adapters only; "
             "pass --lora-rank R (e.g. --lora-rank 64) to translate it as a LoRA run"
         )
@@ -197,7 +168,7 @@ def check_lora(values, defaults, backend, lora_rank, mapped, result: Translation
         )
 
 
-def model_choice(values: dict[str, str], model: str | None, problems: list[str]) -> list[str]:
+def model_choice(values: dict[str, str], model: str | None, problems: Problems) -> list[str]:
     if model:
         return [f"model={model}"]
     path = values.get(A + "model.path")
@@ -205,7 +176,7 @@ def model_choice(values: dict[str, str], model: str | None, problems: list[str])
         return []
     preset, _ = model_preset(path)
     if preset is None:
-        problems.append(
+        problems.decisive.append(
             f"{A}model.path={path}: not a Qwen2 / Qwen2.5 / Qwen3 checkpoint a conf/model preset trains; "
             f"pass --model with one of {', '.join(preset_names())}"
         )

@@ -17,7 +17,7 @@ For every data source `S` of the validation prompts, with n = rollout.val_kwargs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lorarl.rewards import GSM8K_SOURCES, RESPONSE_IDS, get_reward_fn, gsm8k
@@ -85,11 +85,12 @@ def validation_metrics(
     reward: Any,
     custom: str | None = None,
     token_ids: Sequence[Sequence[list[int]]] | None = None,
+    custom_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """All validation metrics for prompts `items` (PromptItem: data_source, ground_truth, extra_info)
     and their decoded samples `texts` (one list of n strings per item); `reward` is the config's
-    reward section, `custom` the data.reward_fn import path if any. `token_ids`, shaped as `texts`,
-    reach the scorers under extra_info[RESPONSE_IDS], as in training."""
+    reward section, `custom` data.reward_fn if any (called with `custom_kwargs`, data.reward_kwargs).
+    `token_ids`, shaped as `texts`, reach the scorers under extra_info[RESPONSE_IDS], as in training."""
     if len(items) != len(texts):
         raise ValueError(f"{len(items)} prompts but {len(texts)} lists of responses")
     if token_ids is not None and [len(t) for t in token_ids] != [len(t) for t in texts]:
@@ -100,7 +101,7 @@ def validation_metrics(
         ids = token_ids[k] if token_ids is not None else [None] * len(samples)
         infos = [item.extra_info if i is None else {**item.extra_info, RESPONSE_IDS: i} for i in ids]
         source = item.data_source
-        scorers: dict[str, Scorer] = {"acc": get_reward_fn(source, custom, reward)}
+        scorers: dict[str, Scorer] = {"acc": get_reward_fn(source, custom, reward, custom_kwargs)}
         if source in GSM8K_SOURCES:
             scorers["acc_flexible"] = _lenient_or_verl(reward, "flexible")
             scorers["acc_verl"] = _verl_scorer("strict")

@@ -419,7 +419,8 @@ class GRPOTrainer:
         from lorarl.rewards import RESPONSE_IDS, get_reward_fn
 
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        fn = get_reward_fn(item.data_source, self.run.data.reward_fn, self.run.reward)
+        d = self.run.data
+        fn = get_reward_fn(item.data_source, d.reward_fn, self.run.reward, d.reward_kwargs)
         return float(fn(text, item.ground_truth, {**item.extra_info, RESPONSE_IDS: list(response_ids)}))
 
     def validate(self) -> dict:
@@ -450,7 +451,7 @@ class GRPOTrainer:
                 items.append(item)
                 texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
                 token_ids.append([list(s) for s in samples])
-        out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids)
+        out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids, d.reward_kwargs)
         out[keys.TIMING_VAL.key] = time.perf_counter() - t0
         return out
 

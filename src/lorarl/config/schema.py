@@ -169,8 +169,13 @@ class DataConfig:
     # error | left | right: what to do with prompts over max_prompt_length when not filtered.
     truncation: str = MISSING
     shuffle: bool = MISSING
-    # "package.module:function" scoring every sample instead of the data_source registry.
+    # "package.module:function" or "path/to/file.py[:function]" (verl's custom_reward_function: the
+    # file is run, the function defaults to compute_score) scoring every sample instead of the
+    # data_source registry (lorarl.rewards.custom).
     reward_fn: str | None = MISSING
+    # Keyword arguments data.reward_fn is called with on top of verl's four (verl's
+    # custom_reward_function.reward_kwargs).
+    reward_kwargs: dict[str, Any] = MISSING
     # Prompts per generation round of DAPO dynamic sampling (oversampling); null: train_batch_size.
     gen_batch_size: int | None = MISSING
 
@@ -182,6 +187,10 @@ class DataConfig:
             "data.max_prompt_length and data.max_response_length must be > 0",
         )
         one_of("data.generator", self.generator, (None, *DATA_GENERATORS))
+        check(
+            not self.reward_kwargs or bool(self.reward_fn),
+            "data.reward_kwargs are passed to data.reward_fn only; set data.reward_fn or remove them",
+        )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Reward functions chosen by a row's data_source, or a user function given by import path.
+"""Reward functions chosen by a row's data_source, or a user function (data.reward_fn: an import path
+or a file, lorarl.rewards.custom).
 
 A reward function maps (solution_str, ground_truth, extra_info) to a float. The trainer hands it the
 row's extra_info plus the response's token ids under RESPONSE_IDS, for rewards that score tokens.
@@ -6,12 +7,12 @@ row's extra_info plus the response's token ids under RESPONSE_IDS, for rewards t
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lorarl.errors import ConfigError, DataError
 from lorarl.rewards import arith, gsm8k, math_answer, token_share
+from lorarl.rewards.custom import custom_reward, load_function
 
 RewardFn = Callable[[str, str, "dict | None"], float]
 
@@ -81,10 +82,10 @@ def check_items(items: Iterable[Any], custom: str | None = None) -> None:
     """Every prompt can be scored: its data_source has a reward function and its ground truth parses.
 
     `items` carry `index`, `data_source` and `ground_truth` (lorarl.data.dataset.PromptItem).
-    A custom function decides for itself what a ground truth means, so only its import is checked.
+    A custom function decides for itself what a ground truth means, so only its loading is checked.
     """
     if custom:
-        _load_custom(custom)
+        load_function(custom)
         return
     items = list(items)
     for source in dict.fromkeys(item.data_source for item in items):
@@ -99,46 +100,24 @@ def check_items(items: Iterable[Any], custom: str | None = None) -> None:
             raise DataError(f"data row {item.index} (data_source {item.data_source!r}): {err}") from None
 
 
-def _load_custom(path: str) -> Callable[..., Any]:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"data.reward_fn={path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ConfigError(
-            f"data.reward_fn={path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"data.reward_fn={path!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
-
-
-def get_reward_fn(data_source: str, custom: str | None = None, reward: Any = None) -> RewardFn:
-    """The reward function for `data_source`; `custom` overrides the registry.
+def get_reward_fn(
+    data_source: str, custom: str | None = None, reward: Any = None, custom_kwargs: Mapping[str, Any] | None = None
+) -> RewardFn:
+    """The reward function for `data_source`; `custom` (data.reward_fn) overrides the registry.
 
     `reward` is the config's `reward` section (lorarl.config.schema.RewardConfig); None means its defaults.
-    A custom function takes verl's signature (data_source, solution_str, ground_truth,
-    extra_info) so reward functions written for verl plug in unchanged; it may return a
-    number or a dict with a "score" entry. Its extra_info carries RESPONSE_IDS too.
+    A custom function is called as verl calls one (lorarl.rewards.custom), with `custom_kwargs`
+    (data.reward_kwargs) as extra keyword arguments, so reward functions written for verl plug in
+    unchanged. Its extra_info carries RESPONSE_IDS too.
     """
     if custom:
-        user_fn = _load_custom(custom)
-
-        def _custom(solution: str, ground_truth: str, extra_info: dict | None = None) -> float:
-            result = user_fn(data_source, solution, ground_truth, extra_info)
-            if isinstance(result, dict):
-                result = result["score"]
-            return float(result)
-
-        return _custom
+        return custom_reward(custom, data_source, custom_kwargs)
     try:
         build = REGISTRY[data_source]
     except KeyError:
         raise ConfigError(
             f"no reward function for data_source {data_source!r}; known: {', '.join(sorted(REGISTRY))}"
-            f" (or set data.reward_fn='package.module:function')"
+            f" (or set data.reward_fn='package.module:function' or 'path/to/file.py:function')"
         ) from None
     if reward is None:
         from lorarl.config.compose import load_group
