@@ -11,6 +11,7 @@ import torch
 
 from lorarl.algorithms.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.algorithms.ppo import Correction, is_on_policy, needs_old_logp
+from lorarl.algorithms.ppo import AdapterPlan
 from lorarl.algorithms.ppo import ppo_update as run_ppo_update
 from lorarl.config.compose import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
@@ -49,14 +50,14 @@ class TablePolicy:
             out.append(metrics)
         return read_metrics(out)
 
-    def optimizer_step(self, step: int) -> float:
+    def optimizer_step(self, step: int, skip=()) -> list[float]:
         self.grads.append(self.W.grad.clone())
         norm = float(self.W.grad.norm())
         self.W.grad = None
-        return norm
+        return [norm]
 
-    def end_step(self) -> float:
-        return 0.5
+    def end_step(self) -> list[float]:
+        return [0.5]
 
     def dp_all_reduce(self, values, op="sum"):
         return list(values)
@@ -66,8 +67,8 @@ def test_engines_implement_the_protocol():
     from lorarl.engines.fsdp import FSDPEngine
     from lorarl.engines.megatron.engine import MegatronEngine
 
-    # compute_dtype and pad_token_id are set per instance by the Megatron engine.
-    members = typing._get_protocol_attrs(Engine) - {"compute_dtype", "pad_token_id"}
+    # compute_dtype and pad_token_id are set per instance by the Megatron engine, adapter_names by FSDP's.
+    members = typing._get_protocol_attrs(Engine) - {"compute_dtype", "pad_token_id", "adapter_names"}
     for cls in (FSDPEngine, MegatronEngine):
         assert [m for m in members if not hasattr(cls, m)] == [], cls.__name__
 
@@ -75,7 +76,7 @@ def test_engines_implement_the_protocol():
 def ppo_stats(policy, batch, step: int, run):
     """The update as the worker calls it, with the run's sampling facts and actor settings."""
     correction = Correction.of(run.algorithm.rollout_correction, run.trainer.device)
-    return run_ppo_update(policy, batch, step, sampling_of(run), run.actor, correction)
+    return run_ppo_update(policy, batch, step, [AdapterPlan(run.actor, sampling_of(run), correction)])[0]
 
 
 def ppo_update(policy, batch, step: int, run) -> dict[str, float]:
@@ -382,9 +383,9 @@ def test_update_report_logs_the_updates_keys_unchanged():
     metrics = stats.metrics()
     assert next(iter(metrics)).startswith("rollout_corr/")
     worker = {"sleep_seconds": 0.0, "slept": False, "update_seconds": 1.5, "old_logp_seconds": 0.25}
-    report = UpdateReport(ppo=stats, **worker)
-    assert report.ppo.entropy == metrics["actor/entropy"] and report.ppo.kl_loss is None
-    assert set(report.ppo.extra) == {k for k in metrics if k.startswith("rollout_corr/")}
+    report = UpdateReport(ppo=[stats], **worker)
+    assert report.ppo[0].entropy == metrics["actor/entropy"] and report.ppo[0].kl_loss is None
+    assert set(report.ppo[0].extra) == {k for k in metrics if k.startswith("rollout_corr/")}
     logged = report.metrics()
     timings = {"timing/sleep": 0.0, "rollout/sleeps": 0.0, "timing/old_logp": 0.25, "timing/update": 1.5}
     assert list(logged.items()) == [*metrics.items(), *timings.items()]

@@ -92,7 +92,7 @@ def vllm_param_addresses(worker) -> set[int]:
 def train_step(worker, step: int) -> dict:
     """A real update of the trainer (ppo_update on its own log-probs), then the worker's sync."""
     from lorarl.algorithms.batch import build_batch
-    from lorarl.algorithms.ppo import ppo_update
+    from lorarl.algorithms.ppo import AdapterPlan, ppo_update
     from lorarl.messages import Sampling
     from tests.distributed.fsdp_engine_check import PROMPTS, RESPONSES
 
@@ -102,7 +102,7 @@ def train_step(worker, step: int) -> dict:
     batch.ref_logp = engine.log_probs(batch, temperature=1.0, reference=True)
     # The worker's own actor settings and correction; one sequence per prompt, as the batch is.
     sampling = Sampling(n=1, temperature=1.0, max_response_length=len(max(RESPONSES, key=len)), seed=0)
-    ppo_update(engine, batch, step, sampling, worker.spec.engine.actor, worker.correction)
+    ppo_update(engine, batch, step, [AdapterPlan(worker.spec.engine.actor, sampling, worker.correction)])
     return worker.sync(SyncRequest(step=step, last=False))
 
 

@@ -61,14 +61,17 @@ class Sampling:
 
 @dataclass(frozen=True)
 class UpdateRequest:
-    """One data-parallel replica's share of a step's samples."""
+    """One data-parallel replica's share of a step's samples. Where a sweep's group trains several
+    adapters over one base, `adapters` says which each sequence trains and `samplings` holds one
+    per adapter; a run's one adapter has `samplings[0]` and no `adapters`."""
 
     step: int
     prompt_ids: list[list[int]]  # one per sequence (a prompt repeats for each of its n samples)
     response_ids: list[list[int]]
     advantages: list[float]
     rollout_logprobs: list[list[float]] | None
-    sampling: Sampling
+    samplings: tuple[Sampling, ...]
+    adapters: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,13 +154,16 @@ class PPOStats:
     entropy: float | None = None
     kl_loss: float | None = None
     extra: dict[str, float] = field(default_factory=dict)  # rollout_corr/*, a loss's other actor/* keys
+    # Why this adapter's update stopped (a non-finite loss or gradient: its weights were left as
+    # they were); one of several adapters then ends alone (lorarl.algorithms.ppo.ppo_update).
+    ended: str | None = None
 
     @classmethod
-    def of(cls, measured: dict[str, float]) -> PPOStats:
+    def of(cls, measured: dict[str, float], ended: str | None = None) -> PPOStats:
         """From the update's values by logged key: the keys with a field here go to it, the rest to `extra`."""
         named = {name: measured[m.key] for name, m in _PPO_KEYS if m.key in measured}
         keys = {m.key for _, m in _PPO_KEYS}
-        return cls(**named, extra={k: v for k, v in measured.items() if k not in keys})
+        return cls(**named, extra={k: v for k, v in measured.items() if k not in keys}, ended=ended)
 
     def metrics(self) -> dict[str, float]:
         """The logged keys, in the order the run logs them: the extras first, as the loss reports them."""
@@ -188,7 +194,7 @@ class UpdateReport:
     """One data-parallel replica's update: the PPO update's numbers and the worker's timings
     around it. None: not measured this step (off-policy passes skipped, memory on CPU)."""
 
-    ppo: PPOStats
+    ppo: list[PPOStats]  # one per adapter (a run's one, or each of a sweep group's)
     slept: bool  # the rollout slept during this update (its sleep plan)
     sleep_seconds: float
     update_seconds: float
@@ -198,9 +204,9 @@ class UpdateReport:
     update_peak_gib: float | None = None
     alloc_retries: float | None = None
 
-    def metrics(self) -> dict[str, float]:
-        """The logged keys, in the order the run logs them."""
-        out = self.ppo.metrics()
+    def metrics(self, adapter: int = 0) -> dict[str, float]:
+        """The logged keys of one adapter's update and the replica's measures, in the order the run logs them."""
+        out = self.ppo[adapter].metrics()
         _put(out, keys.MEMORY_MAX_ALLOCATED_GIB.key, self.max_allocated_gib)
         _put(out, keys.MEMORY_UPDATE_PEAK_GIB.key, self.update_peak_gib)
         _put(out, keys.MEMORY_ALLOC_RETRIES.key, self.alloc_retries)

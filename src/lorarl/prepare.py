@@ -33,7 +33,7 @@ from lorarl.engines.shared_base import plan_for_run
 from lorarl.errors import ConfigError, DataError
 from lorarl.rollout import vllm_engine_args
 from lorarl.rollout.sleep import can_sleep
-from lorarl.specs import EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
+from lorarl.specs import AdapterSpec, EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
 
 
 @dataclass
@@ -214,6 +214,7 @@ def engine_spec(run: RunConfig, device: str) -> EngineSpec:
         seed=run.trainer.seed,
         # A setting this device cannot run fails here, before any worker loads the model.
         liger_kernel=use_liger_kernel(b.liger_kernel, b.compile, device) if hasattr(b, "liger_kernel") else False,
+        adapters=(AdapterSpec("default", run.model.lora, run.actor, "the adapter"),),
     )
 
 

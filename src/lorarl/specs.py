@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from lorarl.config.algorithm import RolloutCorrectionConfig
 from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
-from lorarl.config.schema import ActorConfig, ModelConfig
+from lorarl.config.schema import ActorConfig, LoraConfig, ModelConfig
 
 if TYPE_CHECKING:
     from lorarl.engines.shared_base import BasePlan
@@ -25,9 +25,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter the engine trains: its name in the model (PEFT's adapter name), its LoRA
+    shape, and its actor group (optimizer, clipping, loss). A run trains one; a sweep's group
+    trains one per job over one base (lorarl.engines.adapter_routing)."""
+
+    name: str
+    lora: LoraConfig
+    actor: ActorConfig
+    label: str  # how messages name it: "the adapter", or the sweep job it belongs to
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """The training engine: its three config groups, the class that implements the backend,
-    the seed, and Liger's kernels resolved for the device (lorarl.engines.liger)."""
+    the seed, and Liger's kernels resolved for the device (lorarl.engines.liger). `model` and
+    `actor` hold what every adapter shares (the base, the batch shape); each adapter's own LoRA
+    shape and actor settings are in `adapters`."""
 
     model: ModelConfig
     actor: ActorConfig
@@ -35,6 +49,7 @@ class EngineSpec:
     engine: str  # "module:Class" implementing lorarl.engines.base.Engine (lorarl.engines.BACKENDS)
     seed: int  # trainer.seed: Megatron's model-parallel RNG; FSDP's LoRA init draws from the worker's
     liger_kernel: bool  # FSDP only: Liger's kernels patched into the model
+    adapters: tuple[AdapterSpec, ...]  # the first is the run's own (model.lora, actor)
 
     def engine_class(self) -> type:
         module, name = self.engine.split(":")

@@ -339,7 +339,7 @@ class GRPOTrainer:
                     response_ids=[s for g in shard for s in g.samples],
                     advantages=adv.tolist(),
                     rollout_logprobs=[lp for g in shard for lp in g.logprobs],
-                    sampling=self.sampling,
+                    samplings=(self.sampling,),
                 )
             )
         return requests

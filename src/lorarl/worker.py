@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lorarl.algorithms.batch import build_batch
-from lorarl.algorithms.ppo import Correction, needs_old_logp, ppo_update
+from lorarl.algorithms.ppo import AdapterPlan, Correction, needs_old_logp, ppo_update
 from lorarl.checkpoint import load_engine_state, save_engine_state
 from lorarl.engines.base import Engine
 from lorarl.messages import (
@@ -258,7 +258,12 @@ class Worker:
         return report
 
     def _update(self, request: UpdateRequest, timing: dict) -> UpdateReport:
-        a, temperature = self.spec.engine.actor, request.sampling.temperature
+        a = self.spec.engine.actor
+        plans = [
+            AdapterPlan(adapter.actor, sampling, self.correction)
+            for adapter, sampling in zip(self.spec.engine.adapters, request.samplings, strict=True)
+        ]
+        temperature = plans[0].sampling.temperature if len(plans) == 1 else [p.sampling.temperature for p in plans]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
@@ -270,22 +275,23 @@ class Worker:
             request.advantages,
             self.engine.left_pad_prompts,
             request.rollout_logprobs,
+            request.adapters,
         )
         if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
             t0 = time.perf_counter()
             batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
             timing["old_logp_seconds"] = time.perf_counter() - t0
-        if a.use_kl_loss:
+        if any(p.actor.use_kl_loss for p in plans):
             t0 = time.perf_counter()
             batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
             timing["ref_logp_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        stats = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
+        stats = ppo_update(self.engine, batch, request.step, plans)
         timing["update_seconds"] = time.perf_counter() - t0
         report = UpdateReport(ppo=stats, **timing)
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(stats.micro_batch_tokens_max))
+            self.sleep.record_update(highest - before, int(max(s.micro_batch_tokens_max for s in stats)))
             report.max_allocated_gib = highest / 2**30
             report.update_peak_gib = (highest - before) / 2**30
             report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)

@@ -32,11 +32,11 @@ RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 
 def update(engine, run: RunConfig, batch, step: int) -> dict:
     """The worker's update call (lorarl.algorithms.ppo.ppo_update with the run's sampling facts)."""
-    from lorarl.algorithms.ppo import Correction, ppo_update
+    from lorarl.algorithms.ppo import AdapterPlan, Correction, ppo_update
     from lorarl.trainer import sampling_of
 
     correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
-    return ppo_update(engine, batch, step, sampling_of(run), run.actor, correction).metrics()
+    return ppo_update(engine, batch, step, [AdapterPlan(run.actor, sampling_of(run), correction)])[0].metrics()
 
 
 def log_probs_at_temperature(engine, run: RunConfig, batch, **kw):

@@ -220,7 +220,7 @@ def main() -> None:
                 else:  # random weights: reward the share of low token ids so groups differ
                     rewards.append(sum(t < vocab_half for t in s) / max(1, len(s)))
         adv = advantages.grpo_advantages(torch.tensor(rewards), torch.tensor(groups)).tolist()
-        train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, sampling_of(run)))
+        train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, (sampling_of(run),)))
         t_sleep = train.sleep_seconds
         t_sync0 = time.perf_counter()
         sync = worker.sync(SyncRequest(step=step, last=step == args.steps))

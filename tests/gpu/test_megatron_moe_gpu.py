@@ -98,7 +98,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     from safetensors.torch import save_file
 
     from lorarl.algorithms.batch import build_batch
-    from lorarl.algorithms.ppo import Correction, ppo_update
+    from lorarl.algorithms.ppo import AdapterPlan, Correction, ppo_update
     from lorarl.engines.megatron.engine import MegatronEngine
     from lorarl.prepare import engine_spec
     from lorarl.sync.payload import PayloadKind
@@ -129,7 +129,7 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
         batch.old_logp = engine.log_probs(batch, temperature=temp)
         batch.ref_logp = engine.log_probs(batch, temperature=temp, reference=True)
         t = time.perf_counter()
-        m = ppo_update(engine, batch, step, sampling, run.actor, correction).metrics()
+        m = ppo_update(engine, batch, step, [AdapterPlan(run.actor, sampling, correction)])[0].metrics()
         m["update_s"] = time.perf_counter() - t
         metrics.append(m)
     result["metrics"] = metrics

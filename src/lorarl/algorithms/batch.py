@@ -29,6 +29,9 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, L-1]
     rollout_logp: torch.Tensor | None = None  # [B, L-1]: the sampler's log-probs of the response tokens
     is_weights: torch.Tensor | None = None  # [B, L-1]: rollout-correction weights set before the update
+    # [B] int64, in host memory: the adapter each row trains (several adapters over one base,
+    # lorarl.engines.adapter_routing); None: the run's one adapter.
+    adapter: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -42,11 +45,24 @@ class TrainBatch:
         return self._map(lambda _, v: v[idx])
 
     def to(self, device: torch.device) -> TrainBatch:
-        return self._map(lambda _, v: v.to(device))
+        # `adapter` stays on the host: the forward and the loss read it there, without a device wait.
+        return self._map(lambda name, v: v if name == "adapter" else v.to(device))
 
     def chunks(self, size: int) -> Iterator[TrainBatch]:
         for start in range(0, len(self), size):
             yield self.select(slice(start, start + size))
+
+    def segments(self) -> list[tuple[int, slice]]:
+        """(adapter, its rows) for a batch whose rows are grouped by adapter, in row order; one
+        segment (adapter 0, every row) when the batch names no adapter. Read on the host."""
+        if self.adapter is None:
+            return [(0, slice(0, len(self)))]
+        of, out, start = self.adapter.tolist(), [], 0
+        for row in range(1, len(of) + 1):
+            if row == len(of) or of[row] != of[start]:
+                out.append((of[start], slice(start, row)))
+                start = row
+        return out
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -80,7 +96,9 @@ def build_batch(
     advantages: list[float] | None = None,
     left_pad_prompts: bool = False,
     rollout_logprobs: list[list[float]] | None = None,
+    adapters: list[int] | None = None,
 ) -> TrainBatch:
+    """`adapters`: the adapter each row trains, where several train together (None: one)."""
     assert len(prompts) == len(responses), "one response per prompt copy"
     width_p = max(len(p) for p in prompts)
     if left_pad_prompts:
@@ -104,7 +122,10 @@ def build_batch(
         for i, (p, lp) in enumerate(zip(prompts, rollout_logprobs)):
             start = (width_p - len(p) if left_pad_prompts else 0) + len(p) - 1
             rollout_logp[i, start : start + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, response_mask, advantages=adv, rollout_logp=rollout_logp)
+    adapter = None if adapters is None else torch.tensor(adapters, dtype=torch.long)
+    return TrainBatch(
+        input_ids, attention_mask, response_mask, advantages=adv, rollout_logp=rollout_logp, adapter=adapter
+    )
 
 
 def padding_frac(micro: list[TrainBatch]) -> float:

@@ -10,6 +10,8 @@ same order.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -61,15 +63,9 @@ def needs_old_logp(
     return correction.first or not (on_policy or correction.bypass)
 
 
-def ppo_update(
-    engine: Engine,
-    batch: TrainBatch,
-    step: int,
-    sampling: Sampling,
-    actor: ActorConfig,
-    correction: Correction,
-) -> PPOStats:
-    """PPO-clip epochs over shuffled mini-batches, one optimizer step per mini-batch.
+def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[AdapterPlan]) -> list[PPOStats]:
+    """PPO-clip epochs over shuffled mini-batches, one optimizer step per mini-batch, for every
+    adapter the batch trains (`batch.adapter`, the plan's index per row; None: one adapter).
 
     `batch` is this replica's share; `batch.old_logp` None means on-policy (see is_on_policy).
     Losses are normalised over the whole mini-batch (all micro-batches, all replicas), as the
@@ -77,58 +73,145 @@ def ppo_update(
     count / dp_size, and the gradient average over replicas does the rest. A rollout correction
     that rejects tokens rewrites `response_mask` first (correct_before_update), so the loss, its
     KL and entropy terms are divided by what survives, as in verl.
+
+    Several adapters (a sweep's group, lorarl.engines.adapter_routing): each adapter's rows are
+    shuffled by its own seed and cut into its own mini-batches, and mini-batch k of the update is
+    every adapter's k-th, side by side; each adapter's loss is divided by its own counts, its
+    gradient clipped and stepped by its own optimizer. Their parameters are disjoint and rows never
+    interact, so each adapter's update is the one it would get alone. An adapter whose loss or
+    gradient is not finite is left as it was and reported (`PPOStats.ended`); alone, that stops
+    the run (TrainingError), as it always has.
     """
-    a = actor
-    mini = a.ppo_mini_batch_size * sampling.n // engine.dp_size
-    gen = torch.Generator().manual_seed(sampling.seed * 100003 + step)
-    entropy_mode: EntropyMode = "grad" if a.entropy_coeff != 0.0 else "metric"
-    norm_len = a.loss_scale_factor or sampling.max_response_length
-    sums: dict[str, list[float]] = {}
-    before = correct_before_update(engine, batch, correction) if correction.first else {}
+    a = plans[0].actor  # the batch shape is shared by every adapter of a run
+    mini = a.ppo_mini_batch_size * plans[0].sampling.n // engine.dp_size
+    gens = [torch.Generator().manual_seed(p.sampling.seed * 100003 + step) for p in plans]
+    entropy_mode: EntropyMode = "grad" if any(p.actor.entropy_coeff != 0.0 for p in plans) else "metric"
+    temperature = _temperatures(plans)
+    rows_of = adapter_rows(batch, len(plans))
+    sums: list[dict[str, list[float]]] = [{} for _ in plans]
+    ended: list[str | None] = [None] * len(plans)
+    correction = plans[0].correction  # algorithm.rollout_correction is one per run
+    before = correct_before_update(engine, batch, correction, rows_of) if correction.first else [{} for _ in plans]
     for _ in range(a.ppo_epochs):
-        shuffled = batch.select(torch.randperm(len(batch), generator=gen))
-        for start in range(0, len(batch), mini):
-            minibatch = shuffled.select(slice(start, start + mini))
-            row_sets = plan_micro_batches(engine, minibatch, a)
-            denom = loss_denominator(engine, minibatch, a, norm_len)
-            loss_fn = _ppo_loss(a, denom, correction, norm_len)
+        order = [rows[torch.randperm(len(rows), generator=gen)] for rows, gen in zip(rows_of, gens, strict=True)]
+        for start in range(0, len(order[0]), mini):
+            minibatch = batch.select(torch.cat([o[start : start + mini] for o in order]))
+            by_adapter = _adapter_key(minibatch)
+            row_sets = [sorted(rows, key=by_adapter) for rows in plan_micro_batches(engine, minibatch, a)]
+            loss_fn = _routed_loss(plans, loss_denominators(engine, minibatch, plans))
             micro = [minibatch.select(rows) for rows in row_sets]
-            for metrics in engine.forward_backward(micro, loss_fn, entropy_mode, sampling.temperature):
-                loss = metrics.pop(LOSS_KEY)
-                if not math.isfinite(loss):
-                    # Before the optimizer step: the weights stay as they were.
-                    raise TrainingError(f"step {step}: loss is {loss} (pg {metrics[keys.ACTOR_PG_LOSS.key]}); stopping")
-                for k, v in metrics.items():
-                    sums.setdefault(k, []).append(v)
-            sums.setdefault(keys.ACTOR_PADDING_FRAC.key, []).append(padding_frac(micro))
-            sums.setdefault(keys.ACTOR_GRAD_NORM.key, []).append(engine.optimizer_step(step))
-            sums.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
-            # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
-            sums.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
-    result = reduce_metrics(sums)
-    result.update(before)
-    result[keys.ACTOR_LR.key] = engine.end_step()
-    return PPOStats.of(result)
+            for metrics in engine.forward_backward(micro, loss_fn, entropy_mode, temperature):
+                for (i, k), v in metrics.items():
+                    if k != LOSS_KEY:
+                        sums[i].setdefault(k, []).append(v)
+                    elif not math.isfinite(v) and ended[i] is None:
+                        ended[i] = f"step {step}: loss is {v} (pg {metrics[i, keys.ACTOR_PG_LOSS.key]}); stopping"
+            if len(plans) == 1 and ended[0] is not None:
+                raise TrainingError(ended[0])  # before the optimizer step: the weights stay as they were
+            norms = engine.optimizer_step(step, skip=[i for i, why in enumerate(ended) if why is not None])
+            for i, norm in enumerate(norms):
+                if not math.isfinite(norm) and ended[i] is None:
+                    ended[i] = f"step {step}: grad norm is {norm}; stopping before the update is applied"
+                if len(plans) == 1 and ended[0] is not None:
+                    raise TrainingError(ended[0])
+                stats = sums[i]
+                stats.setdefault(keys.ACTOR_PADDING_FRAC.key, []).append(padding_frac(micro))
+                stats.setdefault(keys.ACTOR_GRAD_NORM.key, []).append(norm)
+                stats.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
+                # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
+                stats.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
+    out = []
+    for i, (stats, lr) in enumerate(zip(sums, engine.end_step(), strict=True)):
+        result = reduce_metrics(stats)
+        result.update(before[i])
+        result[keys.ACTOR_LR.key] = lr
+        out.append(PPOStats.of(result, ended=ended[i]))
+    return out
 
 
-def loss_denominator(engine: Engine, minibatch: TrainBatch, actor: ActorConfig, norm_len: int) -> float:
-    """What each micro-batch's loss sum is divided by (see losses.agg_loss): the mini-batch's
-    kept tokens or sequences over all replicas / dp_size; for seq-mean-token-sum-norm the
-    constant `norm_len` (actor.loss_scale_factor, default data.max_response_length) / dp_size, so
-    the mini-batch's loss is its sum over sequences and tokens / the constant whatever the number
-    of replicas (verl's engine also divides that by dp_size; the same at one replica)."""
-    if actor.loss_agg_mode == "seq-mean-token-sum-norm":
-        return float(norm_len) / engine.dp_size
-    count = losses.agg_count(minibatch.response_mask, actor.loss_agg_mode)
-    return max(engine.dp_all_reduce([count])[0], 1.0) / engine.dp_size
+@dataclass(frozen=True)
+class AdapterPlan:
+    """What the update of one adapter reads: its loss settings, how its samples were drawn (the
+    temperature its log-probs are taken at, the seed of its mini-batch shuffle) and the run's
+    rollout correction."""
+
+    actor: ActorConfig
+    sampling: Sampling
+    correction: Correction
+
+    @property
+    def norm_len(self) -> int:
+        """seq-mean-token-sum-norm's constant: actor.loss_scale_factor, default the response length."""
+        return self.actor.loss_scale_factor or self.sampling.max_response_length
 
 
-def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> dict[str, float]:
+def adapter_rows(batch: TrainBatch, adapters: int) -> list[torch.Tensor]:
+    """Each adapter's row indices in `batch`, in order (all rows when the batch names none)."""
+    if batch.adapter is None:
+        return [torch.arange(len(batch))] + [torch.zeros(0, dtype=torch.long)] * (adapters - 1)
+    return [(batch.adapter == i).nonzero().flatten() for i in range(adapters)]
+
+
+def _adapter_key(batch: TrainBatch):
+    """Sort key of a row: its adapter, so a micro-batch's rows of one adapter are one segment."""
+    if batch.adapter is None:
+        return lambda row: 0
+    of = batch.adapter.tolist()
+    return lambda row: of[row]
+
+
+def _temperatures(plans: Sequence[AdapterPlan]) -> float | tuple[float, ...]:
+    """The temperature log-probs are taken at: one value, or one per adapter where they differ."""
+    values = tuple(p.sampling.temperature for p in plans)
+    return values[0] if len(set(values)) == 1 else values
+
+
+def loss_denominators(engine: Engine, minibatch: TrainBatch, plans: Sequence[AdapterPlan]) -> list[float]:
+    """What each adapter's micro-batch loss sums are divided by (see losses.agg_loss): its kept
+    tokens or sequences in the mini-batch over all replicas / dp_size; for seq-mean-token-sum-norm
+    the constant `norm_len` / dp_size, so the mini-batch's loss is its sum over sequences and tokens
+    / the constant whatever the number of replicas (verl's engine also divides that by dp_size; the
+    same at one replica). One all-reduce for every adapter that counts."""
+    rows = adapter_rows(minibatch, len(plans))
+    counted = [i for i, p in enumerate(plans) if p.actor.loss_agg_mode != "seq-mean-token-sum-norm"]
+    counts = [
+        losses.agg_count(minibatch.response_mask[rows[i]] if len(plans) > 1 else minibatch.response_mask,
+                         plans[i].actor.loss_agg_mode)
+        for i in counted
+    ]  # fmt: skip
+    totals = dict(zip(counted, engine.dp_all_reduce(counts) if counted else [], strict=True))
+    return [
+        max(totals[i], 1.0) / engine.dp_size if i in totals else float(p.norm_len) / engine.dp_size
+        for i, p in enumerate(plans)
+    ]
+
+
+def correct_before_update(
+    engine: Engine, batch: TrainBatch, c: Correction, rows_of: list[torch.Tensor]
+) -> list[dict[str, float]]:
     """Rejection and batch-normalised weights on this replica's whole batch, from the trainer's
     log-probs of the pass before the update: rewrites batch.response_mask (so every denominator
-    counts what survives) and sets batch.is_weights. Collective (the batch mean weight)."""
+    counts what survives) and sets batch.is_weights; per adapter over its own rows (its batch mean,
+    its metrics). Collective (each adapter's batch mean weight)."""
     if batch.old_logp is None or batch.rollout_logp is None:
         raise TrainingError("rollout correction with rejection or batch-normalised weights needs the trainer's and the sampler's log-probs before the update")  # fmt: skip
+    if len(rows_of) == 1:
+        batch.response_mask, batch.is_weights, metrics = _correct(engine, batch, c)
+        return [metrics]
+    mask, weights, out = batch.response_mask.clone(), None, []
+    for rows in rows_of:
+        part_mask, part_weights, metrics = _correct(engine, batch.select(rows), c)
+        mask[rows] = part_mask
+        if part_weights is not None:
+            weights = torch.ones_like(batch.old_logp) if weights is None else weights
+            weights[rows] = part_weights
+        out.append(metrics)
+    batch.response_mask, batch.is_weights = mask, weights
+    return out
+
+
+def _correct(engine: Engine, batch: TrainBatch, c: Correction) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(the mask to train on, the weights or None, the logged measures) of one adapter's rows."""
     weights, mask, metrics = rcorr.correct(
         batch.old_logp, batch.rollout_logp, batch.response_mask, c.level, c.threshold, c.rules
     )
@@ -139,13 +222,34 @@ def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> d
         if mean > 1e-8:
             weights = weights / mean
         out[keys.ROLLOUT_CORR_ROLLOUT_IS_BATCH_NORM_FACTOR.key] = mean if mean > 1e-8 else 1.0
-    batch.response_mask, batch.is_weights = mask, weights
-    return out
+    return mask, weights, out
 
 
 def _correction_key(name: str) -> str:
     """The logged key of one of the rollout correction's measures (lorarl.algorithms.rollout_correction)."""
     return keys.checked(f"rollout_corr/{name}")
+
+
+def _routed_loss(plans: Sequence[AdapterPlan], denoms: list[float]) -> LossFn:
+    """The micro-batch's loss: each adapter's PPO loss on its own rows (one contiguous segment per
+    adapter, lorarl.algorithms.batch), summed; metrics keyed (adapter, key). Rows of other adapters
+    never enter an adapter's loss, so its gradient is its own loss's."""
+    fns = [_ppo_loss(p.actor, d, p.correction, p.norm_len) for p, d in zip(plans, denoms, strict=True)]
+
+    def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
+        segments = mb.segments()
+        if len(segments) == 1:
+            i = segments[0][0]
+            loss, m = fns[i](mb, logp, entropy)
+            return loss, {(i, k): v for k, v in m.items()}
+        total, metrics = None, {}
+        for i, rows in segments:
+            loss, m = fns[i](mb.select(rows), logp[rows], None if entropy is None else entropy[rows])
+            total = loss if total is None else total + loss
+            metrics.update({(i, k): v for k, v in m.items()})
+        return total, metrics
+
+    return loss_fn
 
 
 def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> LossFn:

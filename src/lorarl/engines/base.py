@@ -13,7 +13,7 @@ each with its own data-parallel share (ranks of one tensor/pipeline group pass t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -53,12 +53,14 @@ class Engine(Protocol):
         """Forward at `temperature`, loss_fn, backward for each micro-batch, gradients
         accumulated; their metrics, read after the last micro-batch (`read_metrics`)."""
 
-    def optimizer_step(self, step: int) -> float:
-        """Clip, step, zero the gradients; the grad norm. A non-finite norm raises TrainingError
-        and leaves the weights as they were."""
+    adapter_names: Sequence[str]  # the adapters it trains, in index order (one per run; a sweep's group: several)
 
-    def end_step(self) -> float:
-        """Advance the learning-rate schedule by one trainer step; the learning rate used."""
+    def optimizer_step(self, step: int, skip: Sequence[int] = ()) -> list[float]:
+        """Clip, step, zero the gradients, each adapter on its own; the grad norm of each. An
+        adapter in `skip`, or whose norm is not finite, keeps its weights as they were."""
+
+    def end_step(self) -> list[float]:
+        """Advance each adapter's learning-rate schedule by one trainer step; the rates used."""
 
     def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """Sum or max of `values` over data-parallel replicas."""
@@ -66,22 +68,24 @@ class Engine(Protocol):
     EXPORT_METHODS: tuple[str, ...]  # how this engine can gather an adapter; the first is its default
 
     def export(
-        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None, adapter: int = 0
     ) -> tuple[WeightPayload, float]:
         """The payload of `kind` and the seconds spent gathering it; every rank gets it whole.
         `method` is one of EXPORT_METHODS (None: the first; base payloads ignore it), `dtype`
         the dtype adapter tensors are cast to (None: as trained)."""
 
-    def adapter_config(self) -> dict: ...
+    def adapter_config(self, adapter: int = 0) -> dict: ...
 
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full LoRA tensors under PEFT names, on CPU."""
+    def lora_state(self, adapter: int = 0) -> dict[str, torch.Tensor]:
+        """An adapter's full LoRA tensors under PEFT names, on CPU."""
 
-    def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None: ...
+    def load_state(
+        self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None, adapter: int = 0
+    ) -> None: ...
 
-    def optimizer_state(self) -> dict: ...
+    def optimizer_state(self, adapter: int = 0) -> dict: ...
 
-    def scheduler_state(self) -> dict: ...
+    def scheduler_state(self, adapter: int = 0) -> dict: ...
 
 
 def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:

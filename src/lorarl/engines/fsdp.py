@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms import losses
 from lorarl.algorithms.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
-from lorarl.engines.base import EntropyMode, LossFn, check_grad_norm, read_metrics
+from lorarl.engines.adapter_routing import AdapterRouter, Segments, route_adapters
+from lorarl.engines.base import EntropyMode, LossFn, read_metrics
 from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
@@ -45,8 +47,10 @@ PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = None):
-    """HF causal LM with a PEFT LoRA adapter, ready to shard: loaded on CPU, or over `base`'s views."""
+def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = None, router: AdapterRouter | None = None):
+    """HF causal LM with the spec's PEFT LoRA adapters, ready to shard: loaded on CPU, or over
+    `base`'s views. Several adapters train side by side, each row routed through its own by
+    `router` (lorarl.engines.adapter_routing)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -73,14 +77,22 @@ def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = Non
     if m.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    targets = m.lora.target_modules
-    try:
-        peft_model = get_peft_model(model, peft_lora_config(m.lora))
-    except ValueError as err:
-        raise ModelError(
-            f"model.lora.target_modules={list(targets)} / target_parameters={list(m.lora.target_parameters)} "
-            f"matched nothing in {m.path}: {first_line(err)}"
-        ) from err
+    adapters = spec.adapters
+    peft_model = None
+    for adapter in adapters:
+        lora = adapter.lora
+        try:
+            if peft_model is None:
+                peft_model = get_peft_model(model, peft_lora_config(lora), adapter_name=adapter.name)
+            else:
+                peft_model.add_adapter(adapter.name, peft_lora_config(lora))
+        except ValueError as err:
+            raise ModelError(
+                f"model.lora.target_modules={list(lora.target_modules)} / target_parameters="
+                f"{list(lora.target_parameters)} matched nothing in {m.path}: {first_line(err)}"
+            ) from err
+    if len(adapters) > 1:
+        peft_model.base_model.set_adapter([a.name for a in adapters])  # every adapter trains
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -88,6 +100,8 @@ def load_lora_model(spec: EngineSpec, base: dict[str, torch.Tensor] | None = Non
         fuse_lora_linears(peft_model)
     if spec.backend.routed_expert_lora:
         route_expert_lora(peft_model)
+    if len(adapters) > 1:
+        route_adapters(peft_model, router)
     return peft_model
 
 
@@ -110,7 +124,8 @@ class FSDPEngine:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         on_gpu = device.type == "cuda"
-        peft_model = load_lora_model(spec, base)
+        self.router = AdapterRouter()
+        peft_model = load_lora_model(spec, base, self.router)
         b = spec.backend
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[b.mixed_precision] if on_gpu else None,
@@ -126,13 +141,15 @@ class FSDPEngine:
         # Before sharding: fully_shard keeps module names, and PEFT's saved names are module names.
         self.expert_wrappers = expert_wrappers(peft_model)
         self.model = shard(peft_model, mesh, device, **kwargs)
-        self.trainable = [p for p in peft_model.parameters() if p.requires_grad]
-        o = spec.actor.optim
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        warm = max(o.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
-        )
+        self.adapter_names = [a.name for a in spec.adapters]
+        # Each adapter's own factors, optimizer and schedule: its parameters are no other's.
+        self.trainable = [adapter_params(self.model, name) for name in self.adapter_names]
+        self.optimizers, self.schedulers = [], []
+        for params, adapter in zip(self.trainable, spec.adapters, strict=True):
+            o = adapter.actor.optim
+            optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+            self.optimizers.append(optimizer)
+            self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(o.warmup_steps)))
         self.prepared_masks = takes_prepared_masks(self.model.config) and not spec.model.trust_remote_code
 
     # ---- the Engine contract's plain facts ----------------------------------------------
@@ -202,7 +219,15 @@ class FSDPEngine:
         # Positions first .. L-1; each but the last predicts a token of the batch. The last is
         # skipped by reading, not by a slice (a slice would copy every logit).
         labels = ids[:, first + 1 :]
-        logp, ent = losses.logprobs_and_entropy(out.logits, labels, temperature, entropy)
+        if isinstance(temperature, float | int):
+            logp, ent = losses.logprobs_and_entropy(out.logits, labels, temperature, entropy)
+        else:  # one temperature per adapter: each adapter's rows at its own
+            parts = [
+                losses.logprobs_and_entropy(out.logits[rows], labels[rows], temperature[i], entropy)
+                for i, rows in mb.segments()
+            ]
+            logp = torch.cat([p[0] for p in parts])
+            ent = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
         logp = F.pad(logp, (first, 0))
         return logp, None if ent is None else F.pad(ent, (first, 0))
 
@@ -217,11 +242,17 @@ class FSDPEngine:
         the adapter disabled."""
         self.model.eval()
         row_sets = plan_micro_batches(self, batch, self.spec.actor, backward=False)
+        if batch.adapter is not None:  # one segment per adapter (lorarl.engines.adapter_routing)
+            of = batch.adapter.tolist()
+            row_sets = [sorted(rows, key=of.__getitem__) for rows in row_sets]
         micro = [batch.select(rows) for rows in row_sets]
         prepared = [self._prepare(mb) for mb in micro]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
-            results = [self._forward(*p, temperature, entropy="none")[0] for p in prepared]
+            results = []
+            for p in prepared:
+                with self.router.route(self._segments(p[0])):
+                    results.append(self._forward(*p, temperature, entropy="none")[0])
             if not self.spec.backend.reshard_after_forward:
                 # Before the adapter is turned back on, which sets requires_grad on whichever
                 # parameters are registered at that moment (see reshard_all).
@@ -243,34 +274,46 @@ class FSDPEngine:
         for i, (mb, first, padded) in enumerate(prepared):
             # Reduce-scatter the gradients once, after the last micro-batch.
             self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-            logp, ent = self._forward(mb, first, padded, temperature, entropy)
-            loss, m = loss_fn(mb, logp, ent)
-            loss.backward()
+            # The backward too: activation checkpointing runs the forward again there.
+            with self.router.route(self._segments(mb)):
+                logp, ent = self._forward(mb, first, padded, temperature, entropy)
+                loss, m = loss_fn(mb, logp, ent)
+                loss.backward()
             metrics.append(m)
         return read_metrics(metrics)
 
-    def optimizer_step(self, step: int) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec.actor.grad_clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        try:
-            check_grad_norm(float(grad_norm), step)
-        except TrainingError:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+    def _segments(self, mb: TrainBatch) -> Segments | None:
+        """Which rows of `mb` go through which adapter (None: the one adapter)."""
+        if len(self.adapter_names) == 1:
+            return None
+        return Segments.of(mb.adapter.tolist(), self.adapter_names)
 
-    def end_step(self) -> float:
-        used = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+    def optimizer_step(self, step: int, skip: Sequence[int] = ()) -> list[float]:
+        """Clip each adapter's gradient by its own norm and step its optimizer; every gradient
+        zeroed after. The grad norm per adapter; an adapter in `skip`, or whose norm is not
+        finite, is left as it was."""
+        norms = []
+        for i, (params, adapter, optimizer) in enumerate(zip(self.trainable, self.spec.adapters, self.optimizers)):
+            norm = torch.nn.utils.clip_grad_norm_(params, adapter.actor.grad_clip)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            norm = float(norm)
+            if i not in skip and math.isfinite(norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(norm)
+        return norms
+
+    def end_step(self) -> list[float]:
+        used = [scheduler.get_last_lr()[0] for scheduler in self.schedulers]
+        for scheduler in self.schedulers:
+            scheduler.step()
         return used
 
     # ---- export --------------------------------------------------------------------------
 
-    def adapter_config(self) -> dict:
-        cfg = self.model.peft_config["default"].to_dict()
+    def adapter_config(self, adapter: int = 0) -> dict:
+        cfg = self.model.peft_config[self.adapter_names[adapter]].to_dict()
         # JSON-friendly: PEFT stores target_modules as a set and task_type as an enum.
         cfg["target_modules"] = (
             sorted(cfg["target_modules"]) if not isinstance(cfg["target_modules"], str) else cfg["target_modules"]
@@ -286,9 +329,10 @@ class FSDPEngine:
     EXPORT_METHODS = ("bucketed", "layered")
 
     def export(
-        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None, adapter: int = 0
     ) -> tuple[WeightPayload, float]:
-        """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call).
+        """The payload of `kind` plus the seconds spent gathering it (collective: all ranks call);
+        an adapter payload holds adapter number `adapter` (the run's one, or one of a group's).
         Adapter tensors are cast to `dtype` (the rollout's) and stay on the training device: an
         in-process rollout on the same GPU takes them device to device (a host round trip of
         0.3 GB at 7B cost more than the rest of the sync); consumers that need host memory
@@ -299,32 +343,34 @@ class FSDPEngine:
                 "bucketed": self._adapter_bucketed,
                 "layered": self._adapter_layered,
             }
-            tensors = gather[method or self.EXPORT_METHODS[0]](dtype)
+            tensors = gather[method or self.EXPORT_METHODS[0]](dtype, adapter)
             # Experts stay in PEFT's stacks (one pair per fused parameter, not 6 x E tensors a layer):
             # the rollout writes them into vLLM's per-expert slots (lorarl.sync.experts).
-            payload = WeightPayload.adapter(tensors, self.adapter_config(), self.expert_wrappers)
+            payload = WeightPayload.adapter(tensors, self.adapter_config(adapter), self.expert_wrappers)
             return payload, time.perf_counter() - t0
         merge = self.spec.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
 
-    def _adapter_layered(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def _adapter_layered(self, dtype: torch.dtype | None = None, adapter: int = 0) -> dict[str, torch.Tensor]:
+        mine = f".{self.adapter_names[adapter]}."
         out = {}
         with torch.no_grad():
             for prefix, unit in fsdp_units(self.model):
-                own = [(n, p) for n, p in own_params(unit) if "lora_" in n]
+                own = [(n, p) for n, p in own_params(unit) if "lora_" in n and mine in n]
                 if not own:
                     continue
                 unit.unshard()
                 # Unsharded params are swapped in only while unsharded: read them now.
                 for n, p in own_params(unit):
-                    if "lora_" in n:
+                    if "lora_" in n and mine in n:
                         out[peft_name(prefix + n)] = p.detach().to(self.device, dtype=dtype, copy=True)
                 unit.reshard()
         return out
 
-    def _adapter_bucketed(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """One all-gather of all LoRA shards: every rank pads its dim-0 chunk to ceil(rows/world)."""
-        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+    def _adapter_bucketed(self, dtype: torch.dtype | None = None, adapter: int = 0) -> dict[str, torch.Tensor]:
+        """One all-gather of the adapter's LoRA shards: every rank pads its dim-0 chunk to ceil(rows/world)."""
+        mine = f".{self.adapter_names[adapter]}."
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and mine in n]
         pieces, layout = [], []
         for name, p in params:
             rows = p.shape[0]
@@ -403,41 +449,46 @@ class FSDPEngine:
 
     # ---- sync checks -----------------------------------------------------------------------
 
-    def lora_projections(self) -> dict[str, Projection]:
+    def lora_projections(self, adapter: int = 0) -> dict[str, Projection]:
         """The semantic check's expected side: u^T dW v per LoRA module, from this model's own
         factors and per-module scaling (lorarl.sync.semantic). Collective: one all-reduce."""
-        return trainer_projections(trainer_loras(self.model), _all_reduce if self.world > 1 else None)
+        loras = trainer_loras(self.model, self.adapter_names[adapter])
+        return trainer_projections(loras, _all_reduce if self.world > 1 else None)
 
     def base_projections(self) -> BaseProjections:
         """The merged check's cached base side (lorarl.sync.semantic_merged). Collective."""
         return base_projections(trainer_bases(self.model), _all_reduce if self.world > 1 else None)
 
-    def lora_parameters(self) -> list[torch.Tensor]:
-        """The trainable LoRA factors (FSDP shards), for the first sync's self-test."""
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def lora_parameters(self, adapter: int = 0) -> list[torch.Tensor]:
+        """An adapter's trainable LoRA factors (FSDP shards), for the first sync's self-test."""
+        return self.trainable[adapter]
 
     # ---- checkpoint ------------------------------------------------------------------------
 
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full LoRA tensors under PEFT names, in host memory (collective)."""
-        return {name: t.cpu() for name, t in self._adapter_bucketed().items()}
+    def lora_state(self, adapter: int = 0) -> dict[str, torch.Tensor]:
+        """An adapter's full LoRA tensors under PEFT names, in host memory (collective)."""
+        return {name: t.cpu() for name, t in self._adapter_bucketed(adapter=adapter).items()}
 
-    def optimizer_state(self) -> dict:
-        """Full (unsharded) optimizer state keyed by parameter name (collective)."""
+    def optimizer_state(self, adapter: int = 0) -> dict:
+        """An adapter's full (unsharded) optimizer state keyed by parameter name (collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model, self.optimizers[adapter], options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
-    def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None:
-        """Put full LoRA tensors (PEFT names) back into the shards; restore optimizer and schedule."""
+    def load_state(
+        self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None, adapter: int = 0
+    ) -> None:
+        """Put an adapter's full LoRA tensors (PEFT names) back into the shards; restore its
+        optimizer and schedule."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         from torch.distributed.tensor import distribute_tensor
 
+        mine = f".{self.adapter_names[adapter]}."
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if not p.requires_grad:
+                if not p.requires_grad or mine not in name:
                     continue
                 key = peft_name(name)
                 if key not in lora:
@@ -451,13 +502,14 @@ class FSDPEngine:
                     p.copy_(full)
         if optimizer is not None:
             set_optimizer_state_dict(
-                self.model, self.optimizer, optimizer, options=StateDictOptions(full_state_dict=True)
+                self.model, self.optimizers[adapter], optimizer, options=StateDictOptions(full_state_dict=True)
             )
         if scheduler is not None:
-            self.scheduler.load_state_dict({**scheduler, "lr_lambdas": [None] * len(self.optimizer.param_groups)})
+            lambdas = [None] * len(self.optimizers[adapter].param_groups)
+            self.schedulers[adapter].load_state_dict({**scheduler, "lr_lambdas": lambdas})
 
-    def scheduler_state(self) -> dict:
-        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+    def scheduler_state(self, adapter: int = 0) -> dict:
+        return {k: v for k, v in self.schedulers[adapter].state_dict().items() if k != "lr_lambdas"}
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -472,8 +524,23 @@ def _jsonable(v) -> bool:
 
 
 def peft_name(param_name: str) -> str:
-    """PEFT's saved adapter name: the adapter name (`default`) is dropped."""
-    return param_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    """PEFT's saved adapter name: the adapter's name (`default`, or a group's own) is dropped."""
+    return _ADAPTER_IN_NAME.sub(r".lora_\1.", param_name)
+
+
+_ADAPTER_IN_NAME = re.compile(r"\.lora_(A|B)\.[^.]+\.")
+
+
+def adapter_params(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """The trainable parameters of adapter `name`, in the model's order."""
+    mine = f".{name}."
+    return [p for n, p in model.named_parameters() if p.requires_grad and mine in n]
+
+
+def _warmup(steps: int):
+    """The learning-rate factor at a step: linear warm-up over `steps`, then 1."""
+    warm = max(steps, 0)
+    return lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
 
 
 def _hf_name(param_name: str) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -62,6 +62,9 @@ class MegatronEngine:
 
     # Megatron's local attention is causal-only: rows are right-padded (check_right_padded).
     left_pad_prompts = False
+    # One adapter: the adapter-taking methods below take only 0 (a sweep's group trains several
+    # adapters on the FSDP engine; the shared-base launcher runs Megatron jobs one after another).
+    adapter_names = ("default",)
 
     def __init__(self, spec: EngineSpec, device: torch.device | None = None) -> None:
         """`spec` for its model, actor and backend groups (only those are kept) and its seed
@@ -369,17 +372,17 @@ class MegatronEngine:
             outs = box[0]
         return list(outs)
 
-    def optimizer_step(self, step: int) -> float:
+    def optimizer_step(self, step: int, skip: Sequence[int] = ()) -> list[float]:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr
         ok, grad_norm, _ = self.optimizer.step()
         grad_norm = float("nan") if grad_norm is None else float(grad_norm)
         if not ok:
             raise TrainingError(f"step {step}: the optimizer skipped the update (grad norm {grad_norm}); stopping")
-        return check_grad_norm(grad_norm, step)
+        return [check_grad_norm(grad_norm, step)]
 
-    def end_step(self) -> float:
-        used = self._lr
+    def end_step(self) -> list[float]:
+        used = [self._lr]
         self._steps += 1
         self._lr = self._lr_at(self._steps)
         return used
@@ -391,7 +394,7 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ export
 
-    def adapter_config(self) -> dict:
+    def adapter_config(self, adapter: int = 0) -> dict:
         cfg = peft_adapter_config(self.lora)
         cfg["base_model_name_or_path"] = self.path
         return cfg
@@ -399,7 +402,9 @@ class MegatronEngine:
     # One way to gather: the bridge's export (rollout.layered_summon is FSDP's; the config refuses it here).
     EXPORT_METHODS = ("bridge",)
 
-    def export(self, kind: Any, method: str | None = None, dtype: torch.dtype | None = None) -> tuple[Any, float]:
+    def export(
+        self, kind: Any, method: str | None = None, dtype: torch.dtype | None = None, adapter: int = 0
+    ) -> tuple[Any, float]:
         """(WeightPayload of `kind`, gather seconds); collective, all ranks get full tensors.
 
         ADAPTER: export_adapter_weights, PEFT names. BASE: the pure base
@@ -420,7 +425,7 @@ class MegatronEngine:
             return WeightPayload.base(stream), time.perf_counter() - t0
         raise ValueError(f"unknown payload kind {kind!r}")
 
-    def lora_projections(self) -> dict:
+    def lora_projections(self, adapter: int = 0) -> dict:
         """The semantic check's expected side (lorarl.engines.megatron.projections): u^T dW v per HF
         module from this model's own adapters. Collective over the TP and expert groups."""
         from lorarl.engines.megatron.projections import megatron_lora_projections, model_lora, shape_from_config
@@ -439,11 +444,11 @@ class MegatronEngine:
         dist.all_gather_object(stages, mine, group=self.ps.get_pipeline_model_parallel_group())
         return {path: p for stage in stages for path, p in stage.items()}
 
-    def lora_parameters(self) -> list[torch.Tensor]:
+    def lora_parameters(self, adapter: int = 0) -> list[torch.Tensor]:
         """The trainable LoRA factors of this rank, for the first sync's self-test."""
         return [p for m in self.model for p in m.parameters() if p.requires_grad]
 
-    def lora_state(self) -> dict[str, torch.Tensor]:
+    def lora_state(self, adapter: int = 0) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter
         folder would load as the untrained base model."""
         return {k: v.cpu() for k, v in self._adapter_tensors().items()}
@@ -459,13 +464,13 @@ class MegatronEngine:
 
     # Mid-run checkpoints are refused for this backend when the config is validated
     # (trainer.save_freq); resuming would need the adapter put back into Megatron's TP shards.
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self, adapter: int = 0) -> dict:
         raise ConfigError(_NO_CHECKPOINTS)
 
-    def scheduler_state(self) -> dict:
+    def scheduler_state(self, adapter: int = 0) -> dict:
         return {"steps": self._steps}
 
-    def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None) -> None:
+    def load_state(self, lora: dict, optimizer: dict | None, scheduler: dict | None, adapter: int = 0) -> None:
         raise ConfigError(_NO_CHECKPOINTS)
 
 
