@@ -41,7 +41,7 @@ class InProcessGroup:
     def sync(self, request):
         from lorarl.messages import SyncReport
 
-        return SyncReport.merge([self.worker.sync(request)])
+        return SyncReport.merge([self.worker.sync(request)[0]])
 
 
 def trace(call) -> list[tuple[str, str]]:
@@ -78,7 +78,7 @@ def main(overrides: list[str]) -> None:
         port = s.getsockname()[1]
     worker.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
     trainer.workers = InProcessGroup(worker)
-    trainer.workers.sync(SyncRequest(step=0, last=False))
+    trainer.workers.sync(SyncRequest(step=0, last=False))[0]
     trainer.step = 1
     calls = trace(trainer.train_step)
     worker.shutdown()

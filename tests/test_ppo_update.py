@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from lorarl.algorithms.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
-from lorarl.algorithms.ppo import Correction, is_on_policy, needs_old_logp
-from lorarl.algorithms.ppo import AdapterPlan
+from lorarl.algorithms.ppo import AdapterPlan, Correction, is_on_policy, needs_old_logp
 from lorarl.algorithms.ppo import ppo_update as run_ppo_update
 from lorarl.config.compose import compose
 from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics

@@ -103,7 +103,7 @@ def train_step(worker, step: int) -> dict:
     # The worker's own actor settings and correction; one sequence per prompt, as the batch is.
     sampling = Sampling(n=1, temperature=1.0, max_response_length=len(max(RESPONSES, key=len)), seed=0)
     ppo_update(engine, batch, step, [AdapterPlan(worker.spec.engine.actor, sampling, worker.correction)])
-    return worker.sync(SyncRequest(step=step, last=False))
+    return worker.sync(SyncRequest(step=step, last=False))[0]
 
 
 @pytest.fixture()
@@ -123,12 +123,12 @@ def test_trainer_base_is_vllms_memory_after_load_updates_syncs_and_resume(cache,
         w.shutdown()
     resumed = make_worker("qwen2_tiny", cache)
     try:
-        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        resumed.load_checkpoint([str(tmp_path / "ckpt")])
         assert unshared(resumed) == []
         saved, _ = load_peft_adapter(tmp_path / "ckpt" / "adapter")
         for name, t in resumed.engine.lora_state().items():
             torch.testing.assert_close(t, saved[name], rtol=0, atol=0)
-        report = resumed.sync(SyncRequest(step=3, last=False))
+        report = resumed.sync(SyncRequest(step=3, last=False))[0]
         assert report.kind == "adapter" and report.adapter_meaning == 1.0
     finally:
         resumed.shutdown()
@@ -146,12 +146,12 @@ def check_shared_through_training(w, checkpoint: Path) -> None:
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     assert k.storage_offset() == q.storage_offset() + q.numel()
 
-    reports = [w.sync(SyncRequest(step=0, last=False))] + [train_step(w, step) for step in (1, 2)]
+    reports = [w.sync(SyncRequest(step=0, last=False))[0]] + [train_step(w, step) for step in (1, 2)]
     assert [r.kind for r in reports] == ["adapter"] * 3  # never a base payload
     assert all(r.adapter_match == 1.0 and r.adapter_meaning == 1.0 for r in reports)
     assert unshared(w) == []
 
-    w.save_checkpoint(str(checkpoint))
+    w.save_checkpoint([str(checkpoint)])
 
 
 def test_a_view_of_the_wrong_rows_is_seen_and_stopped_by_the_probe(cache):
@@ -162,20 +162,20 @@ def test_a_view_of_the_wrong_rows_is_seen_and_stopped_by_the_probe(cache):
     w = make_worker("qwen2_tiny", cache)
     try:
         move_adapter(w, seed=3)
-        w.sync(SyncRequest(step=0, last=False))
+        w.sync(SyncRequest(step=0, last=False))[0]
         probes = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]]
-        w.sync_session.set_probes(probes)
-        w.sync_session.probe_if_due(SyncRequest(step=1, last=False), w.sync(SyncRequest(step=1, last=False)))
+        w.sync_sessions[0].set_probes(probes)
+        w.sync_sessions[0].probe_if_due(SyncRequest(step=1, last=False), w.sync(SyncRequest(step=1, last=False))[0])
         wrong = engine_base_views(w.rollout)["model.layers.1.self_attn.q_proj.weight"]
         bind(w.engine.model, "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", wrong)
         assert unshared(w) == differ_from_checkpoint(w) == ["model.layers.0.self_attn.q_proj.weight"]
-        w.sync_session.set_probes(probes)
+        w.sync_sessions[0].set_probes(probes)
         with pytest.raises(SyncError, match="disagree on the probe"):
-            w.sync_session.probe_if_due(SyncRequest(step=2, last=False), w.sync(SyncRequest(step=2, last=False)))
+            w.sync_sessions[0].probe_if_due(SyncRequest(step=2, last=False), w.sync(SyncRequest(step=2, last=False))[0])
         # A rollout that lost its base is never sent one: the trainer's base is vLLM's own.
         w.rollout.base_loaded = False
         with pytest.raises(SyncError, match="the base is shared with vLLM"):
-            w.sync(SyncRequest(step=3, last=False))
+            w.sync(SyncRequest(step=3, last=False))[0]
     finally:
         w.shutdown()
 

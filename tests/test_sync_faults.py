@@ -59,9 +59,9 @@ def worker(request, model_cache: Path, lorarl_cache: Path):
 
 def first_sync(worker, fault: str | None, step: int = 0):
     """A process's first adapter sync (self-test included) with `fault` switched on."""
-    session = worker.sync_session
+    session = worker.sync_sessions[0]
     session.fault, session._self_tested = SyncFault(fault), False
-    return worker.sync(SyncRequest(step=step, last=False))
+    return worker.sync(SyncRequest(step=step, last=False))[0]
 
 
 def move_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
@@ -110,7 +110,7 @@ def test_correct_export_passes_fresh_and_moved(worker):
     # after the writer was shown to leave what that loader leaves (lorarl.rollout.vllm_lora_write).
     assert worker.rollout._writes_in_place is True
     move_adapter(worker, seed=1)
-    out = worker.sync(SyncRequest(step=1, last=False))
+    out = worker.sync(SyncRequest(step=1, last=False))[0]
     assert out.adapter_meaning == 1.0 and out.meaning_check_seconds > 0
 
 

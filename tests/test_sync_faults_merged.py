@@ -49,7 +49,7 @@ def test_merged_correct_sync_passes_fresh_and_moved(merged_worker):
     assert out.weights_match == 1.0 and out.adapter_meaning == 1.0
     assert all(not v.any() for k, v in merged_worker.engine.lora_state().items() if "lora_B" in k)
     move_adapter(merged_worker, seed=1)
-    out = merged_worker.sync(SyncRequest(step=1, last=False))
+    out = merged_worker.sync(SyncRequest(step=1, last=False))[0]
     assert out.adapter_meaning == 1.0 and out.meaning_check_seconds > 0
 
 
@@ -97,9 +97,9 @@ def test_merged_margin_with_moved_factors_and_a_missing_delta(merged_worker):
     self-test): the bound does not hide the delta."""
     from lorarl.sync.semantic_merged import merged_expected
 
-    session = merged_worker.sync_session
+    session = merged_worker.sync_sessions[0]
     move_adapter(merged_worker, seed=5)
-    assert merged_worker.sync(SyncRequest(step=5, last=False)).adapter_meaning == 1.0
+    assert merged_worker.sync(SyncRequest(step=5, last=False))[0].adapter_meaning == 1.0
     engine, rollout = merged_worker.engine, merged_worker.rollout
     base = engine.base_projections()
     delta = engine.lora_projections()
@@ -119,10 +119,10 @@ def test_merged_margin_with_moved_factors_and_a_missing_delta(merged_worker):
     session.fault, session._self_tested = SyncFault("missing_module"), True
     try:
         with pytest.raises(SyncError, match=r"layer 0 self_attn\.v_proj .*base \+ delta"):
-            merged_worker.sync(SyncRequest(step=6, last=False))
+            merged_worker.sync(SyncRequest(step=6, last=False))[0]
     finally:
         session.fault = SyncFault(None)
-    assert merged_worker.sync(SyncRequest(step=7, last=False)).adapter_meaning == 1.0
+    assert merged_worker.sync(SyncRequest(step=7, last=False))[0].adapter_meaning == 1.0
 
 
 @pytest.mark.parametrize("relative", [0.2, 0.005])

@@ -40,14 +40,14 @@ def probes(worker, tiny_tokenizer):
     seqs = [
         prompt_ids(tiny_tokenizer, r["prompt"]) + [5, 6, 7, 8, 9, 10] for r in arith.make_rows(6, seed=2, split="test")
     ]
-    worker.sync_session.set_probes(seqs)
-    assert all(len(s) >= 2 for s in worker.sync_session.probe_seqs)
-    return worker.sync_session.probe_seqs
+    worker.sync_sessions[0].set_probes(seqs)
+    assert all(len(s) >= 2 for s in worker.sync_sessions[0].probe_seqs)
+    return worker.sync_sessions[0].probe_seqs
 
 
 def test_worker_sync_reports_both_checks(worker, probes):
     moved_adapter(worker, seed=1)
-    out = worker.sync(PROBING_SYNC)
+    out = worker.sync(PROBING_SYNC)[0]
     assert out.adapter_match == 1.0
     assert out.logprob_diff_max < FP32_BOUNDS.max
     assert out.logprob_ref_diff_mean > 10 * FP32_BOUNDS.mean  # the adapter moved the policy
@@ -58,7 +58,7 @@ def test_probe_catches_a_skipped_sync_in_fp32(worker, probes):
     worker.sync(PROBING_SYNC)
     moved_adapter(worker, seed=3)  # trained on, never synced
     with pytest.raises(SyncError, match="rank 0: after the sync vLLM and the trainer disagree"):
-        worker.sync_session.probe()
+        worker.sync_sessions[0].probe()
 
 
 def test_probe_catches_a_zeroed_adapter_in_fp32(worker, probes):
@@ -67,7 +67,7 @@ def test_probe_catches_a_zeroed_adapter_in_fp32(worker, probes):
     config = worker.engine.adapter_config()
     worker.rollout.apply(WeightPayload.adapter({k: torch.zeros_like(v) for k, v in lora.items()}, config))
     with pytest.raises(SyncError, match="disagree|adapter-off reference"):
-        worker.sync_session.probe()
+        worker.sync_sessions[0].probe()
 
 
 def test_probe_catches_one_layers_b_left_out_in_fp32(worker, probes):
@@ -77,6 +77,6 @@ def test_probe_catches_one_layers_b_left_out_in_fp32(worker, probes):
     sent["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].zero_()
     worker.rollout.apply(WeightPayload.adapter(sent, worker.engine.adapter_config()))
     with pytest.raises(SyncError, match="disagree"):
-        worker.sync_session.probe()
+        worker.sync_sessions[0].probe()
     worker.sync(PROBING_SYNC)  # a real sync puts it right
-    assert worker.sync_session.probe().sync_max < FP32_BOUNDS.max
+    assert worker.sync_sessions[0].probe().sync_max < FP32_BOUNDS.max

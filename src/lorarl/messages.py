@@ -32,6 +32,11 @@ class GenerateRequest:
     seed: int
     # Training rollouts: the first one a worker sees sets the sync probe's sequences (lorarl.sync.session).
     for_training: bool
+    # Where a sweep group's adapters sample together: per prompt, its adapter (the vLLM LoRA slot)
+    # and that adapter's temperature and top_p. None: every prompt the run's one adapter's.
+    adapters: list[int] | None = None
+    temperatures: list[float] | None = None
+    top_ps: list[float] | None = None
 
 
 @dataclass

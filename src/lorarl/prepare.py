@@ -214,7 +214,7 @@ def engine_spec(run: RunConfig, device: str) -> EngineSpec:
         seed=run.trainer.seed,
         # A setting this device cannot run fails here, before any worker loads the model.
         liger_kernel=use_liger_kernel(b.liger_kernel, b.compile, device) if hasattr(b, "liger_kernel") else False,
-        adapters=(AdapterSpec("default", run.model.lora, run.actor, "the adapter"),),
+        adapters=(AdapterSpec("default", run.model.lora, run.actor, "the adapter", run.trainer.sync_fault),),
     )
 
 

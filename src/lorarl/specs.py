@@ -34,6 +34,7 @@ class AdapterSpec:
     lora: LoraConfig
     actor: ActorConfig
     label: str  # how messages name it: "the adapter", or the sweep job it belongs to
+    sync_fault: str | None = None  # trainer.sync_fault of its run: a test fault in this adapter's export
 
 
 @dataclass(frozen=True)

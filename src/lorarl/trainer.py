@@ -167,7 +167,7 @@ class GRPOTrainer:
                     f"checkpoint's adapter (same prompts and seeds; rollout/staleness 0 at step {self.step + 1})"
                 )
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))
+        first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))[0]
         startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
         startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
         # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
@@ -209,7 +209,7 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
         bar.close()
         final = self.out_dir / "final_adapter"
-        self.workers.export_adapter(str(final))
+        self.workers.export_adapter([str(final)])
         say(f"final adapter: {final}")
         if "jsonl" in tc.logger:
             from lorarl.plot import plot
@@ -239,7 +239,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         tmp = self.ckpt.begin(self.step)
         try:
-            self.workers.save_checkpoint(str(tmp))
+            self.workers.save_checkpoint([str(tmp)])
             config_yaml = OmegaConf.to_yaml(redact(self.run.to_dict()))
             # A batch generated ahead is not saved: the loader is saved as it was before drawing
             # it, and a resumed run draws and generates it again (fit says so).
@@ -254,7 +254,7 @@ class GRPOTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         step, loader_state, python_rng = read_trainer_state(path)
-        self.workers.load_checkpoint(str(path))
+        self.workers.load_checkpoint([str(path)])
         self.step = step
         self.loader.load_state_dict(loader_state)
         random.setstate(python_rng)
@@ -281,7 +281,7 @@ class GRPOTrainer:
             self.ahead = next_ahead.collect(self.workers.collect_generate(), self.score_groups)
             t_gen_wait = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
+        sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))[0]
         t_sync = time.perf_counter() - t0
 
         rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)

@@ -9,12 +9,14 @@ checks (lorarl.sync.session), the PPO update (lorarl.algorithms.ppo), the checkp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,8 @@ import torch.distributed as dist
 from lorarl.algorithms.batch import build_batch
 from lorarl.algorithms.ppo import AdapterPlan, Correction, needs_old_logp, ppo_update
 from lorarl.checkpoint import load_engine_state, save_engine_state
-from lorarl.engines.base import Engine
+from lorarl.engines.base import AdapterView, Engine
+from lorarl.errors import LorarlError
 from lorarl.messages import (
     GenerateRequest,
     Placement,
@@ -84,7 +87,7 @@ class Worker:
         self.engine: Engine | None = None
         self.rollout = None
         self.sleep: RolloutSleep | None = None
-        self.sync_session: SyncSession | None = None
+        self.sync_sessions: list[SyncSession] = []
         self.adapter_version = 0  # updates the adapter vLLM holds has had (SyncRequest.version)
         self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
         self._update_stream = None  # CUDA, off-policy: the stream every update runs on (update)
@@ -135,7 +138,18 @@ class Worker:
         self.engine = make_engine(spec.engine, self.device, base=base)
         t2 = time.perf_counter()
         self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
-        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
+        # One sync session per adapter, each over its adapter and LoRA slot: a run's one, or each
+        # job's of a sweep group, synced, checked and probed as that job alone would be.
+        adapters = spec.engine.adapters
+        self.sync_sessions = [
+            SyncSession(
+                dataclasses.replace(spec.sync, fault=adapter.sync_fault),
+                AdapterView(self.engine, i),
+                self.rollout if len(adapters) == 1 else self.rollout.slot(i),
+                self.rank,
+            )
+            for i, adapter in enumerate(adapters)
+        ]
         self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
         return WorkerSetup(
             dp_rank=self.dp_rank,
@@ -208,9 +222,17 @@ class Worker:
             top_p=request.top_p,
             max_tokens=request.max_tokens,
             seed=request.seed,
+            slots=request.adapters,
+            temperatures=request.temperatures,
+            top_ps=request.top_ps,
         )
-        if request.for_training and self.sync_session.wants_probes:
-            self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
+        if request.for_training:
+            # Each adapter's probe sequences: its first training prompts, each with its first sample.
+            adapters = request.adapters or [0] * len(request.prompt_ids)
+            for i, session in enumerate(self.sync_sessions):
+                if session.wants_probes and i in adapters:
+                    rows = [k for k, a in enumerate(adapters) if a == i]
+                    session.set_probes([request.prompt_ids[k] + out.token_ids[k][0] for k in rows])
         out.adapter_version = version
         return out
 
@@ -298,45 +320,67 @@ class Worker:
         return report
 
     @watched
-    def sync(self, request: SyncRequest) -> SyncReport:
-        """Wake the rollout's weights, sync and check them, wake its cache, probe. Collective.
+    def sync(self, request: SyncRequest) -> list[SyncReport]:
+        """Wake the rollout's weights, sync and check every adapter, wake its cache, probe; one
+        report per adapter. Collective.
 
         The cache wakes after the payloads are applied (their gathers have its memory) and
         before the probe, which generates. A generation still in flight (generate_start) ends
-        first: the adapter it samples with is never replaced under it."""
+        first: the adapter it samples with is never replaced under it. The first adapter's sync
+        brings the base too when vLLM lacks it."""
         if self._in_flight is not None:
             self._in_flight.wait()
         t_wake = self.sleep.wake(["weights"])
-        report = self.sync_session.sync(request)
+        reports = [self._each_adapter(i, lambda s: s.sync(request)) for i in range(len(self.sync_sessions))]
         t_wake += self.sleep.wake(["kv_cache"])
-        self.sync_session.probe_if_due(request, report)
+        for i, report in enumerate(reports):
+            self._each_adapter(i, lambda s, r=report: s.probe_if_due(request, r))
+        first = reports[0]
         if self.sleep.sleeps:
-            report.wake_seconds = t_wake
+            first.wake_seconds = t_wake
         # Awake again here, so a changed plan takes effect at the next update's sleep.
-        report.sleep_plan = self.sleep.replan()
-        if report.sleep_plan:
-            report.rollout_sleeps = self.sleep.sleeps
+        first.sleep_plan = self.sleep.replan()
+        if first.sleep_plan:
+            first.rollout_sleeps = self.sleep.sleeps
         self.adapter_version = request.step if request.version is None else request.version
-        return report
+        return reports
+
+    def _each_adapter(self, index: int, call):
+        """`call(session)` for adapter `index`; where several adapters train, a failure names the
+        adapter's job (a fault in one stops the group at once, named)."""
+        try:
+            return call(self.sync_sessions[index])
+        except LorarlError as err:
+            if len(self.sync_sessions) == 1:
+                raise
+            raise type(err)(f"{self.spec.engine.adapters[index].label}: {err}") from err
 
     # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
 
     @watched
-    def save_checkpoint(self, directory: str) -> None:
-        save_engine_state(self.engine, directory, self.rank)
+    def save_checkpoint(self, directories: Sequence[str]) -> None:
+        """Each adapter's state into its own folder (a run's one; a group's, one per job)."""
+        for i, directory in enumerate(directories):
+            save_engine_state(AdapterView(self.engine, i), directory, self.rank)
         dist.barrier()
 
     @watched
-    def load_checkpoint(self, directory: str) -> None:
-        load_engine_state(self.engine, directory, self.rank)
+    def load_checkpoint(self, directories: Sequence[str]) -> None:
+        for i, directory in enumerate(directories):
+            load_engine_state(AdapterView(self.engine, i), directory, self.rank)
 
     @watched
-    def export_adapter(self, directory: str) -> None:
-        """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
+    def export_adapter(self, directories: Sequence[str]) -> None:
+        """Each trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
         LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
-        lora = self.engine.lora_state()
+        for i, directory in enumerate(directories):
+            self._export_adapter(AdapterView(self.engine, i), directory)
+        dist.barrier()
+
+    def _export_adapter(self, engine: AdapterView, directory: str) -> None:
+        lora = engine.lora_state()
         if self.rank == 0:
-            config = self.engine.adapter_config()
+            config = engine.adapter_config()
             save_peft_adapter(directory, lora, config)
             experts = getattr(self.engine, "expert_wrappers", None)
             if experts:
@@ -346,7 +390,6 @@ class Worker:
                 save_peft_adapter(
                     Path(directory) / VLLM_ADAPTER_SUBDIR, to_vllm_layout(lora, experts), vllm_adapter_config(config)
                 )
-        dist.barrier()
 
     # ---- lifecycle -----------------------------------------------------------------------
 

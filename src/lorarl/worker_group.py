@@ -271,20 +271,22 @@ class WorkerGroup:
         refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)]
         return self._first_of([dp_rank for dp_rank, _ in self.dp], refs, "update")
 
-    def sync(self, request: SyncRequest) -> SyncReport:
-        """Every worker's sync (wake, payloads, checks, the probe when due), as one report."""
-        return SyncReport.merge(self._get([w.sync.remote(request) for w in self.workers], "sync"))
+    def sync(self, request: SyncRequest) -> list[SyncReport]:
+        """Every worker's sync (wake, payloads, checks, the probe when due), as one report per adapter."""
+        per_worker = self._get([w.sync.remote(request) for w in self.workers], "sync")
+        return [SyncReport.merge(list(reports)) for reports in zip(*per_worker, strict=True)]
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._get([w.save_checkpoint.remote(directory) for w in self.workers], "checkpoint save")
+    def save_checkpoint(self, directories: list[str]) -> None:
+        """Each adapter's state into its folder (one per adapter the run trains)."""
+        self._get([w.save_checkpoint.remote(directories) for w in self.workers], "checkpoint save")
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._get([w.load_checkpoint.remote(directory) for w in self.workers], "checkpoint load")
+    def load_checkpoint(self, directories: list[str]) -> None:
+        self._get([w.load_checkpoint.remote(directories) for w in self.workers], "checkpoint load")
 
-    def export_adapter(self, directory: str) -> None:
-        self._get([w.export_adapter.remote(directory) for w in self.workers], "adapter export")
+    def export_adapter(self, directories: list[str]) -> None:
+        self._get([w.export_adapter.remote(directories) for w in self.workers], "adapter export")
 
     def _first_of(self, groups: list[int], refs: list, what: str) -> list:
         """Every worker's result awaited (collectives stay in lockstep); the first worker's of

@@ -41,9 +41,9 @@ def record_grads(engine: FSDPEngine, into: list[dict[str, torch.Tensor]]) -> Non
     """Keep the full LoRA gradients each optimizer step is about to apply."""
     step = engine.optimizer_step
 
-    def recorded(n: int) -> float:
+    def recorded(n: int, skip=()) -> list[float]:
         into.append({name: full(p.grad) for name, p in engine.model.named_parameters() if p.grad is not None})
-        return step(n)
+        return step(n, skip)
 
     engine.optimizer_step = recorded
 

@@ -182,7 +182,7 @@ def main() -> None:
         f"worker set up in {setup_s:.1f} s (vLLM {setup.rollout_start_seconds:.1f} s, "
         f"engine {setup.engine_build_seconds:.1f} s); first sync"
     )
-    first = worker.sync(SyncRequest(step=0, last=False))
+    first = worker.sync(SyncRequest(step=0, last=False))[0]
     phase(f"first sync: {first}")
 
     rows = make_rows(args.batch * dp_size * (args.steps + 1), seed=1, split="train")
@@ -223,7 +223,7 @@ def main() -> None:
         train = worker.update(UpdateRequest(step, p_ids, r_ids, adv, None, (sampling_of(run),)))
         t_sleep = train.sleep_seconds
         t_sync0 = time.perf_counter()
-        sync = worker.sync(SyncRequest(step=step, last=step == args.steps))
+        sync = worker.sync(SyncRequest(step=step, last=step == args.steps))[0]
         t_sync = time.perf_counter() - t_sync0
         tokens = sum(len(r) for r in r_ids)
         log.append(
@@ -336,10 +336,10 @@ def _resend(worker) -> tuple:
     from lorarl.messages import SyncRequest
     from lorarl.sync import probe
 
-    session = worker.sync_session
+    session = worker.sync_sessions[0]
     check, session.check = session.check, False
     try:
-        out = worker.sync(SyncRequest(step=0, last=False))
+        out = worker.sync(SyncRequest(step=0, last=False))[0]
     finally:
         session.check = check
     return out, probe.measure_probe(worker.engine, worker.rollout, session.probe_seqs).sync_max
@@ -349,7 +349,7 @@ def _greedy_and_probe(worker, prompts):
     """Greedy tokens and the probe's log-probs, each read with the prefix cache emptied,
     so cached and fresh prefills are never compared."""
     r = worker.rollout
-    seq, start = worker.sync_session.probe_seqs[0], 1
+    seq, start = worker.sync_sessions[0].probe_seqs[0], 1
     r.reset_prefix_cache()
     tokens = r.sample(prompts, n=1, temperature=0.0, max_tokens=16).token_ids
     r.reset_prefix_cache()
@@ -390,7 +390,7 @@ def sleep_wake_regression(worker, prompts: list[list[int]]) -> dict:
     t_wake1 = time.perf_counter() - t0
     level1_changes = tensor_changes(before, _snapshot(worker))
     tokens1, logp1 = _greedy_and_probe(worker, prompts)
-    probe1 = worker.sync_session.probe().sync_max
+    probe1 = worker.sync_sessions[0].probe().sync_max
     listed_before = r.num_adapters()
     r.sleep(level=2)
     base_loaded = r.base_loaded

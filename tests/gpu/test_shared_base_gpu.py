@@ -77,8 +77,8 @@ def sleep_frees_only_the_kv_cache() -> None:
         assert w.spec.base_plan.shared and w.sleep.sleeps, (w.spec.base_plan, w.sleep.plan)
         assert unshared(w) == [] and differ_from_checkpoint(w) == []
         gen = torch.Generator().manual_seed(0)
-        w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
-        first = w.sync(SyncRequest(step=0, last=False))
+        w.sync_sessions[0].set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
+        first = w.sync(SyncRequest(step=0, last=False))[0]
         assert first.kind == "adapter" and first.adapter_meaning == 1.0
         for step in (1, 2):
             torch.cuda.synchronize()
@@ -90,7 +90,7 @@ def sleep_frees_only_the_kv_cache() -> None:
             assert w.rollout.base_loaded and unshared(w) == []
             assert differ_from_checkpoint(w) == []  # read in place while asleep: never unmapped
             report = train_step(w, step)  # updates on vLLM's weights, then wakes and syncs
-            w.sync_session.probe_if_due(SyncRequest(step=step, last=True), report)
+            w.sync_sessions[0].probe_if_due(SyncRequest(step=step, last=True), report)
             assert report.kind == "adapter" and report.adapter_meaning == 1.0
             assert report.logprob_diff_max is not None
             assert unshared(w) == [] and differ_from_checkpoint(w) == []
@@ -108,7 +108,7 @@ def moe_expert_stacks_are_vllms() -> None:
         assert unshared(w) == [] and differ_from_checkpoint(w) == []
         experts = [n for n, p in w.engine.model.named_parameters() if not p.requires_grad and ".experts." in n]
         assert experts, "no expert stack was bound"
-        report = w.sync(SyncRequest(step=0, last=False))
+        report = w.sync(SyncRequest(step=0, last=False))[0]
         assert report.kind == "adapter" and report.adapter_meaning == 1.0
     finally:
         w.shutdown()

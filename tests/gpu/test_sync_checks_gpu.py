@@ -123,7 +123,7 @@ def worker():
         "model=qwen2_5_0_5b_instruct", f"model.path={model}", "rollout.gpu_memory_utilization=0.4", device="cuda"
     )
     gen = torch.Generator().manual_seed(0)
-    w.sync_session.set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
+    w.sync_sessions[0].set_probes([torch.randint(10, 2000, (48,), generator=gen).tolist() for _ in range(4)])
     yield w
     w.shutdown()
 
@@ -156,9 +156,9 @@ def fingerprint_error(worker, lora: dict) -> str:
 def probe_reading(worker) -> dict:
     from lorarl.sync import probe
 
-    reading = probe.measure_probe(worker.engine, worker.rollout, worker.sync_session.probe_seqs)
+    reading = probe.measure_probe(worker.engine, worker.rollout, worker.sync_sessions[0].probe_seqs)
     try:
-        probe.judge_probe(reading, worker.sync_session.probe_bounds)
+        probe.judge_probe(reading, worker.sync_sessions[0].probe_bounds)
         verdict = "pass"
     except Exception as err:  # noqa: BLE001 - recorded, asserted by the caller
         verdict = str(err)
@@ -168,7 +168,7 @@ def probe_reading(worker) -> dict:
 def test_bf16_mutations_on_gpu(worker):
     record: dict = {}
     lora = moved_adapter(worker, seed=1)
-    out = worker.sync(PROBING_SYNC)
+    out = worker.sync(PROBING_SYNC)[0]
     record["correct"] = {k: v for k, v in out.items() if k.startswith("sync/")}
     assert out["sync/adapter_match"] == 1.0
 
@@ -190,7 +190,7 @@ def test_bf16_mutations_on_gpu(worker):
     record["one_b_left_out"] = {"fingerprint": fingerprint_error(worker, lora), "probe": probe_reading(worker)}
     assert "lora_B of 'model.layers.11.mlp.down_proj'" in record["one_b_left_out"]["fingerprint"]
 
-    out = worker.sync(PROBING_SYNC)
+    out = worker.sync(PROBING_SYNC)[0]
     record["resynced"] = {k: v for k, v in out.items() if k.startswith("sync/")}
     assert out["sync/adapter_match"] == 1.0
     (log_dir() / "bf16_mutations_0_5b.json").write_text(json.dumps(record, indent=1, default=str))

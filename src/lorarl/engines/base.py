@@ -12,6 +12,7 @@ each with its own data-parallel share (ranks of one tensor/pipeline group pass t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
@@ -98,3 +99,46 @@ def check_grad_norm(grad_norm: float, step: int) -> float:
     if not math.isfinite(grad_norm):
         raise TrainingError(f"step {step}: grad norm is {grad_norm}; stopping before the update is applied")
     return grad_norm
+
+
+class AdapterView:
+    """One adapter of an engine, seen as the engine of a one-adapter run: what the weight sync,
+    its checks and probe (lorarl.sync) and the checkpoint files call, aimed at adapter `index`;
+    everything else is the engine's. A sweep's group trains one adapter per job over one base
+    (lorarl.engines.adapter_routing), and each is synced, checked and saved as a run's would be."""
+
+    def __init__(self, engine: Engine, index: int):
+        self.engine, self.index = engine, index
+        self.adapter_name = engine.adapter_names[index]
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def export(self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None):
+        return self.engine.export(kind, method, dtype, adapter=self.index)
+
+    def adapter_config(self) -> dict:
+        return self.engine.adapter_config(self.index)
+
+    def lora_projections(self) -> dict:
+        return self.engine.lora_projections(self.index)
+
+    def lora_parameters(self) -> list[torch.Tensor]:
+        return self.engine.lora_parameters(self.index)
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return self.engine.lora_state(self.index)
+
+    def optimizer_state(self) -> dict:
+        return self.engine.optimizer_state(self.index)
+
+    def scheduler_state(self) -> dict:
+        return self.engine.scheduler_state(self.index)
+
+    def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None:
+        self.engine.load_state(lora, optimizer, scheduler, self.index)
+
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
+        """Every row through this adapter (or, `reference`, through none)."""
+        routed = dataclasses.replace(batch, adapter=torch.full((len(batch),), self.index, dtype=torch.long))
+        return self.engine.log_probs(routed, temperature=temperature, reference=reference)

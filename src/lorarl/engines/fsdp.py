@@ -35,7 +35,7 @@ from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.routed_expert_lora import route_expert_lora
 from lorarl.engines.shared_base import frozen_params, model_on_views
-from lorarl.errors import ModelError, TrainingError, first_line
+from lorarl.errors import ModelError, first_line
 from lorarl.peft_io import peft_lora_config
 from lorarl.specs import EngineSpec
 from lorarl.sync.experts import expert_delta, expert_wrappers

@@ -25,27 +25,20 @@ from torch import Tensor
 
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.messages import Rollouts
-from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_base_views, vllm_lora_write, vllm_worker
+from lorarl.rollout import engine_process, vllm_base_views, vllm_worker
+from lorarl.rollout.vllm_adapters import AdapterSlots, SlotState
 from lorarl.rollout.vllm_engine_args import LLMArgs
-from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
+from lorarl.rollout.vllm_fingerprints import FingerprintReads
 from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
-from lorarl.sync.experts import is_moe_checkpoint, vllm_form
+from lorarl.sync.experts import is_moe_checkpoint
 from lorarl.sync.fingerprint import fingerprint_sums
 from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync.transport import AdapterLayout
 
-# One adapter slot, one fixed id, replaced in place on every sync: with a new id
-# per sync, requests could keep naming an old one; with the same id and no
-# in-place flag, vLLM keeps the adapter it already holds.
-ADAPTER_NAME = "lorarl-policy"
-# Never read while the adapter is resident; named so an eviction fails loudly.
-_MEMORY_ADAPTER_PATH = "/nonexistent/lorarl-in-memory-adapter"
-
 AdapterTransport = Literal["tmpfs", "memory"]
 
 
-class VLLMRollout(FingerprintReads):
+class VLLMRollout(AdapterSlots, FingerprintReads):
     def __init__(
         self,
         args: LLMArgs,
@@ -78,17 +71,15 @@ class VLLMRollout(FingerprintReads):
         self.base_loaded = args.load_format != "dummy"
         # The trainer computes with this engine's weights: kept readable, never slept (vllm_base_views).
         self.base_shared = share_weights
-        self._adapter: tuple[dict[str, Tensor], dict, dict] | None = None  # memory transport's copy
-        # The structure of the adapter vLLM's loader last put in the slots, and whether writing in
-        # place matches that loader (None: not yet checked in this process).
-        self._slot_structure: tuple | None = None
+        # One per LoRA slot vLLM serves (lorarl.rollout.vllm_adapters): a run's one adapter, or a
+        # sweep group's one per job. Whether writing in place matches vLLM's loader (None: not yet
+        # checked in this process).
+        self._slots = [SlotState() for _ in range(args.max_loras if self.max_lora_rank is not None else 1)]
         self._writes_in_place: bool | None = None
         self._adapter_dir: Path | None = None
         self._param_names: frozenset[str] | None = None  # read from the live engine on first need
         self._served_names: frozenset[str] | None = None
         self._layout: AdapterLayout | None = None
-        self._has_adapter = False
-        self._rejected: str | None = None  # why the last adapter failed to load; generate refuses meanwhile
         self.fingerprint_base = fingerprint_base
         # Per HF name, of the last base payload: fingerprint sums (read when checked) and numel.
         self._sent: dict[str, tuple[Tensor, int]] = {}
@@ -127,16 +118,6 @@ class VLLMRollout(FingerprintReads):
         return self.max_lora_rank is not None
 
     @property
-    def has_adapter(self) -> bool:
-        """An adapter payload was applied; every request carries it from then on."""
-        return self._has_adapter
-
-    @property
-    def adapter_rejected(self) -> str | None:
-        """Why vLLM rejected the last adapter (None when it holds a valid one or none was sent)."""
-        return self._rejected
-
-    @property
     def sleep_level(self) -> int:
         # Read from the one state: a loaded base that only adapters will update must survive
         # the sleep (level 1, kept in host RAM); merged mode resends the base every step, and
@@ -158,28 +139,6 @@ class VLLMRollout(FingerprintReads):
             raise SyncError("the rollout engine was shut down; build a new VLLMRollout")
         return self._llm
 
-    def lora_request(self):
-        """The request every generate call carries: the synced adapter, or None without one.
-
-        Raises when the last adapter was rejected: serving the one before it would be silent."""
-        if self._cpu_moe_lora:
-            raise ConfigError(
-                "vLLM's CPU build cannot generate with a MoE model when LoRA is enabled (its fused-MoE LoRA kernel "
-                "is Triton-only); set model.lora.merge=true on CPU, or run adapter sync on a GPU"
-            )
-        if self._rejected is not None:
-            raise SyncError(
-                f"the rollout holds no valid adapter: vLLM rejected the last one ({self._rejected}); "
-                "sync a valid adapter before generating"
-            )
-        if not self.has_adapter:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        # Without load_inplace: a request must use the resident adapter, not reload it.
-        path = str(self._adapter_dir) if self.adapter_transport == "tmpfs" else _MEMORY_ADAPTER_PATH
-        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, path)
-
     def run_in_worker(self, fn: Callable, *args):
         """Run `fn(worker, *args)` inside vLLM's worker (one per engine here) and return its result."""
         return self.llm.collective_rpc(fn, args=args)[0]
@@ -193,8 +152,13 @@ class VLLMRollout(FingerprintReads):
         top_p: float = 1.0,
         max_tokens: int = 64,
         seed: int | None = None,
+        slots: Sequence[int] | None = None,
+        temperatures: Sequence[float] | None = None,
+        top_ps: Sequence[float] | None = None,
     ) -> Rollouts:
         """Per prompt, `n` responses and the log-prob of each sampled token, with the seconds taken.
+        Each prompt is sampled with the adapter of its LoRA slot (`slots`, default 0) and, where
+        given, its own temperature and top_p: a sweep group's adapters in one call.
 
         Log-probs are vLLM's "processed" ones: after temperature (and top-k/top-p, which the
         trainer does not apply: with top_p < 1 they are renormalised over the nucleus).
@@ -209,15 +173,21 @@ class VLLMRollout(FingerprintReads):
         # on seeded requests whose prefill gets chunked ("CPU Generator does not use offset").
         # Reproducible for the same prompts and engine; the ranks of a tensor-parallel engine
         # seed alike, so they sample in lockstep. The caller's RNG state is restored after.
-        params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, detokenize=False
-        )
+        def drawn(t: float, p: float) -> SamplingParams:
+            return SamplingParams(n=n, temperature=t, top_p=p, max_tokens=max_tokens, logprobs=0, detokenize=False)
+
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        if slots is None:
+            params, adapters = drawn(temperature, top_p), self.lora_request()
+        else:
+            ts, ps = temperatures or [temperature] * len(slots), top_ps or [top_p] * len(slots)
+            params = [drawn(t, p) for t, p in zip(ts, ps, strict=True)]
+            adapters = [self.lora_request(slot) for slot in slots]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and not self._is_cpu else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            outs = self.llm.generate(requests, params, lora_request=self.lora_request(), use_tqdm=False)
+            outs = self.llm.generate(requests, params, lora_request=adapters, use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
             tokens.append([list(c.token_ids) for c in out.outputs])
@@ -231,11 +201,11 @@ class VLLMRollout(FingerprintReads):
                 f"the rollout engine is asleep ({' and '.join(tags)}); call wake_up({tags}) before generating"
             )
 
-    def prompt_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
-        """Log-probs vLLM gives token_ids[start:] after their prefix (adapter attached)."""
-        return self.prompt_logprobs_many([token_ids], start)[0]
+    def prompt_logprobs(self, token_ids: Sequence[int], start: int, slot: int = 0) -> list[float]:
+        """Log-probs vLLM gives token_ids[start:] after their prefix (slot `slot`'s adapter attached)."""
+        return self.prompt_logprobs_many([token_ids], start, slot)[0]
 
-    def prompt_logprobs_many(self, sequences: Sequence[Sequence[int]], start: int) -> list[list[float]]:
+    def prompt_logprobs_many(self, sequences: Sequence[Sequence[int]], start: int, slot: int = 0) -> list[list[float]]:
         """prompt_logprobs for several sequences, one engine call each: vLLM's LoRA logits
         processor (Qwen3 wraps lm_head) sizes its per-token LoRA indices for the sampled tokens,
         so prompt log-probs of a batch of several requests fail in its shrink kernel
@@ -249,7 +219,7 @@ class VLLMRollout(FingerprintReads):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = [
             self.llm.generate(
-                [{"prompt_token_ids": list(t)}], params, lora_request=self.lora_request(), use_tqdm=False
+                [{"prompt_token_ids": list(t)}], params, lora_request=self.lora_request(slot), use_tqdm=False
             )[0]
             for t in sequences
         ]
@@ -259,7 +229,8 @@ class VLLMRollout(FingerprintReads):
         ]
 
     # ------------------------------------------------------------------- sync
-    def apply(self, payload: WeightPayload) -> SyncStats:
+    def apply(self, payload: WeightPayload, slot: int = 0) -> SyncStats:
+        """Load a base payload, or an adapter payload into LoRA slot `slot`."""
         if not isinstance(payload, WeightPayload):
             raise SyncError(f"rollout.apply needs a WeightPayload, got {type(payload).__name__}")
         if "weights" in self._asleep:
@@ -267,7 +238,7 @@ class VLLMRollout(FingerprintReads):
         if payload.kind is PayloadKind.BASE:
             stats = self._apply_base(payload)
         else:
-            stats = self._apply_adapter(payload)
+            stats = self._apply_adapter(payload, slot)
         self.reset_prefix_cache()  # cached KV was computed with the old weights
         return stats
 
@@ -319,9 +290,8 @@ class VLLMRollout(FingerprintReads):
             raise SyncError("base payload was empty; nothing was loaded into the engine")
         self._check_base_complete(sent)
         self.base_loaded = True
-        if self.has_adapter:
-            # vLLM drops every adapter when base weights are replaced; put ours back.
-            stats.load_s += self._load_adapter()
+        # vLLM drops every adapter when base weights are replaced; put ours back.
+        stats.load_s += self._reload_adapters()
         return stats
 
     def _live_param_names(self) -> frozenset[str]:
@@ -346,109 +316,6 @@ class VLLMRollout(FingerprintReads):
                 "the engine now holds stale or garbage weights there"
             )
 
-    def _apply_adapter(self, payload: WeightPayload) -> SyncStats:
-        if not self.lora_enabled:
-            raise SyncError(
-                "adapter payload sent to a rollout started without LoRA (merged mode); "
-                "send merged weights as a base payload or set model.lora.rank for vLLM"
-            )
-        if not self.base_loaded:
-            raise SyncError("base weights are not in the engine; send a base payload first")
-        assert payload.adapter_config is not None
-        if payload.max_rank > self.max_lora_rank:
-            raise SyncError(
-                f"adapter rank {payload.max_rank} exceeds the engine's max_lora_rank "
-                f"{self.max_lora_rank}; start the rollout with model.lora.rank >= {payload.max_rank}"
-            )
-        stats = SyncStats(PayloadKind.ADAPTER)
-        start = time.perf_counter()
-        # Copy out: the receiver owns its tensors, so a trainer (or a reused transfer
-        # buffer) writing in place cannot change the adapter vLLM serves. The memory transport
-        # copies on the tensors' own device: vLLM then builds, packs and scales the adapter
-        # there, where on the host it pinned, concatenated and multiplied ~0.3 GB (7B, r=64).
-        home = "cpu" if self.adapter_transport == "tmpfs" else None
-        owned = {}
-        for name, tensor in payload.tensors:
-            owned[name] = tensor.detach().to(home or tensor.device, copy=True).contiguous()
-            stats.num_tensors += 1
-            stats.bytes += tensor.numel() * tensor.element_size()
-        config, experts = dict(payload.adapter_config), dict(payload.experts)
-        if self.adapter_transport == "tmpfs":
-            assert self._adapter_dir is not None
-            save_peft_adapter(self._adapter_dir, *vllm_form(owned, config, experts))
-            self._adapter = None
-        else:
-            self._adapter = (owned, config, experts)
-        stats.transfer_s = time.perf_counter() - start
-        stats.load_s = self._load_adapter(in_place=self._may_write_in_place())
-        return stats
-
-    def _may_write_in_place(self) -> bool:
-        """Whether the kept adapter can go straight into vLLM's slots (lorarl.rollout.vllm_lora_write):
-        memory transport, no tensor parallelism, the same structure in the slots, a checked writer."""
-        if self._adapter is None or self.tp_size > 1 or not self.has_adapter:
-            return False
-        if vllm_lora_write.structure(self._adapter[0].items(), *self._adapter[1:]) != self._slot_structure:
-            return False
-        if self._writes_in_place is None:
-            try:  # leaves random factors in the slots: the kept adapter is loaded next, either way
-                why = vllm_lora_write.verify_writer(self, *self._adapter)
-            except Exception as exc:
-                why = one_line(exc)
-            self._writes_in_place = why is None
-            if why is not None:
-                print(f"rollout: adapters load through vLLM's loader at every sync (writing in place: {why})")
-        return self._writes_in_place
-
-    def load_through_vllm(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
-        """vLLM's own adapter loader, from tensors in memory (PEFT's expert stacks split per expert)."""
-        self._slot_structure = vllm_lora_write.structure(tensors.items(), config, experts)
-        self.run_in_worker(vllm_worker.add_adapter_from_tensors, ADAPTER_ID, *vllm_form(tensors, config, experts))
-
-    def write_in_place(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
-        """The adapter written into the slots the last load filled (lorarl.rollout.vllm_lora_write)."""
-        sources = vllm_lora_write.slot_sources(tensors.items(), config, experts, self.adapter_layout())
-        self.run_in_worker(vllm_lora_write.write_lora_slots, ADAPTER_ID, sources)
-
-    def _load_adapter(self, in_place: bool = False) -> float:
-        """Put the current adapter into the engine under ADAPTER_ID, replacing any old one.
-
-        On failure the rollout holds no valid adapter: vLLM's copy is removed (it may be the
-        previous adapter, or half of the new one) and generate refuses until a load succeeds."""
-        start = time.perf_counter()
-        engine = self.llm
-        self._has_adapter = False
-        try:
-            if self.adapter_transport == "tmpfs":
-                from vllm.lora.request import LoRARequest
-
-                request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(self._adapter_dir), load_inplace=True)
-                engine.llm_engine.add_lora(request)
-            else:
-                assert self._adapter is not None
-                (self.write_in_place if in_place else self.load_through_vllm)(*self._adapter)
-            loaded = engine.llm_engine.list_loras()
-            if loaded != {ADAPTER_ID}:
-                raise SyncError(f"vLLM holds adapters {sorted(loaded)}, expected only {ADAPTER_ID}")
-        except Exception as exc:
-            self._reject(one_line(exc))
-            if isinstance(exc, SyncError):
-                raise SyncError(f"after the adapter sync {exc}") from exc
-            raise SyncError(f"vLLM rejected the adapter: {one_line(exc)}") from exc
-        self._has_adapter = True
-        self._rejected = None
-        return time.perf_counter() - start
-
-    def _reject(self, why: str) -> None:
-        self._rejected = why
-        self._adapter = None
-        try:
-            self.llm.llm_engine.remove_lora(ADAPTER_ID)
-        except Exception:  # noqa: BLE001 - not holding it is the state wanted
-            pass
-        if self.llm.llm_engine.list_loras():
-            raise SyncError(f"vLLM rejected the adapter ({why}) and still holds adapters it could not drop")
-
     # ------------------------------------------------------------------ sleep
     def sleep(self, level: int | None = None) -> None:
         if not self.enable_sleep_mode:
@@ -461,7 +328,9 @@ class VLLMRollout(FingerprintReads):
         self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
         if level == 2:  # level 2 discards weights (LoRA slots too); the adapter listing lies
-            self.base_loaded, self._slot_structure = False, None
+            self.base_loaded = False
+            for state in self._slots:
+                state.structure = None
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags)
@@ -485,8 +354,7 @@ class VLLMRollout(FingerprintReads):
     def shutdown(self) -> None:
         """Free the engine (and its adapter folder); safe to call twice."""
         self._llm = None
-        self._adapter = None
-        self._has_adapter = False
+        self._slots = [SlotState() for _ in self._slots]
         self._layout = None
         release = getattr(self, "_release", None)
         if release is not None:

@@ -42,7 +42,7 @@ SET_BY_LORARL: dict[str, tuple[str, str]] = {
     "trust_remote_code": ("model.trust_remote_code", ""),
     "enable_lora": ("model.lora.merge", ""),
     "max_lora_rank": ("model.lora.rank", ""),
-    "max_loras": ("", "the engine serves one adapter, the policy's"),
+    "max_loras": ("", "the engine serves one slot per adapter the run trains (hydra/launcher=shared_base)"),
     "logprobs_mode": ("", "the trainer compares its log-probs with vLLM's after the temperature"),
     "distributed_executor_backend": ("", "each worker holds its engine in its own process"),
 }
@@ -97,6 +97,7 @@ def llm_kwargs(
     kv_cache_bytes: int | None,
     trust_remote_code: bool,
     max_lora_rank: int | None,
+    max_loras: int,
     engine_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """The `vllm.LLM` kwargs of a rollout engine: what lorarl sets (SET_BY_LORARL), then the
@@ -123,7 +124,8 @@ def llm_kwargs(
         # On CPU this replaces gpu_memory_utilization, which there reserves a share of host RAM.
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
     if max_lora_rank is not None:
-        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank)
+        # A slot per adapter, none evicted: CPU-side copies as many (vLLM's default) never reload one.
+        kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
         # without one would never run: vLLM's V1 model runner then captures only the LoRA
         # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
@@ -151,6 +153,11 @@ class LLMArgs:
     @property
     def max_lora_rank(self) -> int | None:
         return self.kwargs.get("max_lora_rank")
+
+    @property
+    def max_loras(self) -> int:
+        """LoRA slots: one per adapter the run trains."""
+        return self.kwargs.get("max_loras", 1)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -182,6 +189,7 @@ def build(
     kv_cache_bytes: int | None = None,
     trust_remote_code: bool = False,
     engine_kwargs: dict[str, Any] | None = None,
+    max_loras: int = 1,
 ) -> LLMArgs:
     """A rollout engine's arguments. `on_cpu`: vLLM's CPU build serves it (the KV cache is then
     sized in bytes, DEFAULT_CPU_KV_CACHE_BYTES unless given, and a float32 checkpoint may keep
@@ -201,6 +209,7 @@ def build(
         kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_bytes is None and on_cpu else kv_cache_bytes,
         trust_remote_code=trust_remote_code,
         max_lora_rank=max_lora_rank,
+        max_loras=max_loras,
         engine_kwargs=engine_kwargs or {},
     )
     return LLMArgs(kwargs, lora_rank)

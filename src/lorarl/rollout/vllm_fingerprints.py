@@ -8,16 +8,15 @@ from torch import Tensor
 
 from lorarl.errors import SyncError
 from lorarl.rollout import vllm_lora_slots, vllm_weights, vllm_worker
+from lorarl.rollout.vllm_adapters import lora_id
 from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
 from lorarl.sync.fingerprint import Fingerprint, combine, resolve
 from lorarl.sync.transport import AdapterLayout, HeldSlots
 
-ADAPTER_ID = 1
-
 
 class FingerprintReads:
     """Needs `_sent` (per HF name of the last base payload: fingerprint sums and numel),
-    `lora_enabled`, `has_adapter`, `_layout` and `run_in_worker` from the rollout."""
+    `lora_enabled`, `holds`, `_layout` and `run_in_worker` from the rollout."""
 
     def sent_weight_fingerprints(self) -> dict[str, Fingerprint]:
         """Per parameter vLLM serves, the fingerprint the last base payload should have left
@@ -47,21 +46,23 @@ class FingerprintReads:
             self._layout = self.run_in_worker(vllm_worker.adapter_layout)
         return self._layout
 
-    def held_adapter_sums(self) -> HeldSlots:
-        """Fingerprint sums of the LoRA stacks vLLM computes with, one row per module part."""
-        if not self.has_adapter:
+    def held_adapter_sums(self, slot: int = 0) -> HeldSlots:
+        """Fingerprint sums of the LoRA stacks vLLM computes with for slot `slot`, one row per module part."""
+        if not self.holds(slot):
             raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
-        return self.run_in_worker(vllm_lora_slots.adapter_slot_sums, ADAPTER_ID)
+        return self.run_in_worker(vllm_lora_slots.adapter_slot_sums, lora_id(slot))
 
-    def lora_projections(self, wanted: dict[str, tuple[int, int, int]]) -> tuple[Tensor, Tensor, list[str]]:
+    def lora_projections(
+        self, wanted: dict[str, tuple[int, int, int]], slot: int = 0
+    ) -> tuple[Tensor, Tensor, list[str]]:
         """The semantic check's observed side, whole: per wanted vLLM slot name (-> row, full out,
         full in), u^T dW v from the slots vLLM computes with, the share of the module held, and the
         slots holding a delta nobody asked for. With tensor parallelism the ranks of this engine
         add up their slices (collective over them)."""
-        if not self.has_adapter:
+        if not self.holds(slot):
             raise SyncError("the rollout holds no adapter to check; sync one first")
         values, share, stray = self.run_in_worker(
-            vllm_lora_slots.lora_projections, ADAPTER_ID, wanted, (self.tp_rank, self.tp_size)
+            vllm_lora_slots.lora_projections, lora_id(slot), wanted, (self.tp_rank, self.tp_size)
         )
         if self.tp_size > 1:
             import torch.distributed as dist

@@ -123,7 +123,7 @@ class SplitWorkerGroup(WorkerGroup):
         refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.trainers, self.dp)]
         return self._first_of([dp_rank for dp_rank, _ in self.dp], refs, "update")
 
-    def sync(self, request: SyncRequest) -> SyncReport:
+    def sync(self, request: SyncRequest) -> list[SyncReport]:
         """Export on the training workers, one object in Ray's store, loaded and checked on every
         rollout worker; the probe, when due, from the trainer's log-probs to each rollout worker."""
         import ray
@@ -138,15 +138,15 @@ class SplitWorkerGroup(WorkerGroup):
                 trainer = self._get([w.probe_logprobs.remote(sequences) for w in self.trainers], "sync probe")[0]
                 report = self._get([worker.probe_judge.remote(trainer, report, time.perf_counter() - t0)], "probe")[0]
             reports.append(report)
-        return SyncReport.merge(reports)
+        return [SyncReport.merge(reports)]  # one adapter
 
     # ---- checkpoints: the training workers hold all the state --------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._get([w.save_checkpoint.remote(directory) for w in self.trainers], "checkpoint save")
+    def save_checkpoint(self, directories: list[str]) -> None:
+        self._get([w.save_checkpoint.remote(directories) for w in self.trainers], "checkpoint save")
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._get([w.load_checkpoint.remote(directory) for w in self.trainers], "checkpoint load")
+    def load_checkpoint(self, directories: list[str]) -> None:
+        self._get([w.load_checkpoint.remote(directories) for w in self.trainers], "checkpoint load")
 
-    def export_adapter(self, directory: str) -> None:
-        self._get([w.export_adapter.remote(directory) for w in self.trainers], "adapter export")
+    def export_adapter(self, directories: list[str]) -> None:
+        self._get([w.export_adapter.remote(directories) for w in self.trainers], "adapter export")

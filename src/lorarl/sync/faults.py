@@ -61,10 +61,11 @@ class SyncFault:
     def on_engine(self, engine) -> None:
         """Faults in the trainer itself, applied once after the engine is made."""
         if self.name == "trainer_scaling":
+            name = getattr(engine, "adapter_name", "default")  # one adapter of several (AdapterView)
             for module in engine.model.modules():
                 scaling = getattr(module, "scaling", None)
-                if isinstance(scaling, dict) and "default" in scaling:
-                    scaling["default"] *= 1.5
+                if isinstance(scaling, dict) and name in scaling:
+                    scaling[name] *= 1.5
                     return
 
     def corrupt(self, payload: WeightPayload, engine) -> WeightPayload:
