@@ -66,7 +66,9 @@ class CheckpointManager:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, step: int) -> Path:
+    def commit(self, tmp: Path, step: int, prune: bool = True) -> Path:
+        """`tmp` made whole as the checkpoint of `step`; older ones beyond max_to_keep go unless
+        `prune` is off (a sweep group prunes once every job's checkpoint of the step is whole)."""
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in files}
         (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": manifest}, indent=1))
@@ -74,7 +76,8 @@ class CheckpointManager:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        self.prune()
+        if prune:
+            self.prune()
         return final
 
     def abort(self, tmp: Path) -> None:
@@ -133,6 +136,28 @@ def resolve_resume(mode: str, manager: CheckpointManager) -> Path | None:
             "use trainer.resume_mode=auto to pick the newest complete one"
         )
     return path
+
+
+def common_resume(jobs: list[tuple[CheckpointManager, Path | None]]) -> list[Path] | None:
+    """The checkpoint each job resumes from, all of one step (None: a fresh start). `jobs` are
+    (manager, the checkpoint trainer.resume_mode picked). One job resumes from its pick; a sweep
+    group's jobs resume from the newest step every one of them has whole (a kill between their
+    commits leaves some a step ahead), and all or none of them resume."""
+    if len(jobs) == 1:
+        return None if jobs[0][1] is None else [jobs[0][1]]
+    picked = [path for _, path in jobs]
+    if all(p is None for p in picked):
+        return None
+    steps = [dict(manager.complete_steps()) for manager, _ in jobs]
+    common = set.intersection(*(set(s) for s in steps))
+    if not common or any(p is None for p in picked):
+        missing = [str(manager.root) for (manager, p) in jobs if p is None]
+        raise LorarlError(
+            f"the group's jobs have no checkpoint step in common ({', '.join(missing) or 'steps differ'}); "
+            "resume them from one step with trainer.resume_mode=auto, or start the sweep in a new hydra.sweep.dir"
+        )
+    step = max(common)
+    return [s[step] for s in steps]
 
 
 # ---- what the workers write (collective: every rank calls) -----------------------------------

@@ -199,7 +199,7 @@ class UpdateReport:
     """One data-parallel replica's update: the PPO update's numbers and the worker's timings
     around it. None: not measured this step (off-policy passes skipped, memory on CPU)."""
 
-    ppo: list[PPOStats]  # one per adapter (a run's one, or each of a sweep group's)
+    ppo: list[PPOStats | None]  # one per adapter (a run's one, or each of a sweep group's; None: it had no rows)
     slept: bool  # the rollout slept during this update (its sleep plan)
     sleep_seconds: float
     update_seconds: float

@@ -15,6 +15,7 @@ a worker can check, with its device in hand, stays there (lorarl.specs says whic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -163,9 +164,10 @@ def prepare_data(run: RunConfig) -> None:
 # ---- the specs ---------------------------------------------------------------------------
 
 
-def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpec:
+def worker_spec(run: RunConfig, device: str, hf_config: Any = None, lora_ranks: list[int] | None = None) -> WorkerSpec:
     """What every worker of `run` is given, training on `device` (cuda or cpu). `hf_config`, the
-    model's transformers config, sizes the update for the sleep plan (read when not given)."""
+    model's transformers config, sizes the update for the sleep plan (read when not given);
+    `lora_ranks`, a sweep group's adapters' ranks, the LoRA state it counts (default: the run's)."""
     t, r = run.trainer, run.rollout
     base_plan = plan_for_run(run, device, hf_config)
     return WorkerSpec(
@@ -177,7 +179,9 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpe
             adapter_transport=r.adapter_transport,
             fingerprint_base=t.check_sync,
         ),
-        sleep=sleep_spec(run, device, hf_config, shared_base=base_plan.shared),
+        sleep=sleep_spec(
+            run, device, hf_config, shared_base=base_plan.shared, lora_rank=sum(lora_ranks or [0]) or None
+        ),
         sync=SyncSpec(
             merge=run.model.lora.merge,
             layered_summon=r.layered_summon,
@@ -194,6 +198,34 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None) -> WorkerSpe
         seed=t.seed,
         stall_report_s=t.stall_report_s,
     )
+
+
+def group_worker_spec(runs: list[RunConfig], labels: list[str], device: str) -> WorkerSpec:
+    """What every worker of a sweep group is given (lorarl.driver.groups): the first job's spec,
+    with one adapter per job in the engine (its own LoRA shape, actor settings and test fault) and
+    one LoRA slot per job in vLLM (the largest rank); the update's memory counts every adapter's
+    LoRA state. The jobs agree on everything else."""
+    run = runs[0]
+    ranks = [r.model.lora.rank for r in runs]
+    spec = worker_spec(run, device, lora_ranks=ranks)
+    adapters = tuple(
+        AdapterSpec(adapter_name(i), r.model.lora, r.actor, label, r.trainer.sync_fault)
+        for i, (r, label) in enumerate(zip(runs, labels, strict=True))
+    )
+    engine_args = tuple(
+        rollout_args(run, device, engine, lora_rank=max(ranks), max_loras=len(runs))
+        for engine in range(rollout_engines(run))
+    )
+    return dataclasses.replace(
+        spec,
+        engine=dataclasses.replace(spec.engine, adapters=adapters),
+        rollout=dataclasses.replace(spec.rollout, engine_args=engine_args),
+    )
+
+
+def adapter_name(index: int) -> str:
+    """PEFT's name of adapter `index` in the training model: PEFT's own default for the first."""
+    return "default" if index == 0 else f"adapter{index}"
 
 
 def rollout_engines(run: RunConfig) -> int:
@@ -218,13 +250,17 @@ def engine_spec(run: RunConfig, device: str) -> EngineSpec:
     )
 
 
-def rollout_args(run: RunConfig, device: str, engine: int) -> vllm_engine_args.LLMArgs:
+def rollout_args(
+    run: RunConfig, device: str, engine: int, lora_rank: int | None = None, max_loras: int = 1
+) -> vllm_engine_args.LLMArgs:
     """The `vllm.LLM` arguments of rollout engine `engine` (its workers share them): lorarl's keys,
-    then rollout.engine_kwargs."""
+    then rollout.engine_kwargs. `lora_rank` and `max_loras`: a sweep group's largest rank and its
+    number of adapters (default: the run's one)."""
     r, m, d = run.rollout, run.model, run.data
     return vllm_engine_args.build(
         m.path,
-        lora_rank=None if m.lora.merge else m.lora.rank,
+        lora_rank=None if m.lora.merge else (lora_rank or m.lora.rank),
+        max_loras=max_loras,
         max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
         # The ranks of one engine sample in lockstep, so they share its seed.
         seed=run.trainer.seed + engine,
@@ -243,7 +279,9 @@ def rollout_args(run: RunConfig, device: str, engine: int) -> vllm_engine_args.L
     )
 
 
-def sleep_spec(run: RunConfig, device: str, hf_config: Any = None, shared_base: bool = False) -> SleepSpec:
+def sleep_spec(
+    run: RunConfig, device: str, hf_config: Any = None, shared_base: bool = False, lora_rank: int | None = None
+) -> SleepSpec:
     """The sleep setting, and the update's size when the setting leaves it to memory (GPU, null)."""
     setting = run.rollout.free_cache_engine
     if device != "cuda" or setting is not None:
@@ -256,7 +294,9 @@ def sleep_spec(run: RunConfig, device: str, hf_config: Any = None, shared_base: 
     dp = max(1, run.world_size // mp)
     return SleepSpec(
         setting,
-        update_bytes=run_update_bytes(run, memory.ModelDims.of(hf_config), dp, mp, shared_base=shared_base),
+        update_bytes=run_update_bytes(
+            run, memory.ModelDims.of(hf_config), dp, mp, shared_base=shared_base, lora_rank=lora_rank
+        ),
         update_tokens=run_update_tokens(run, dp),
     )
 
@@ -273,10 +313,16 @@ def run_update_tokens(run: RunConfig, dp_size: int) -> int:
 
 
 def run_update_bytes(
-    run: RunConfig, dims: memory.ModelDims, dp_size: int, model_parallel: int, shared_base: bool = False
+    run: RunConfig,
+    dims: memory.ModelDims,
+    dp_size: int,
+    model_parallel: int,
+    shared_base: bool = False,
+    lora_rank: int | None = None,
 ) -> int:
     """lorarl.memory.update_bytes for a run's largest micro-batch on one device (`run_update_tokens`).
-    With `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes."""
+    With `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes.
+    `lora_rank`: the LoRA state to count (a sweep group's ranks summed; default the run's rank)."""
     d, b = run.data, run.backend
     seq = d.max_prompt_length + d.max_response_length
     tokens = run_update_tokens(run, dp_size)
@@ -286,7 +332,7 @@ def run_update_bytes(
         tokens=tokens,
         response_tokens=tokens * d.max_response_length // seq,
         checkpointing=run.model.enable_gradient_checkpointing,
-        rank=run.model.lora.rank,
+        rank=lora_rank or run.model.lora.rank,
         targets=list(run.model.lora.target_modules),
         dtype_bytes=torch.finfo(getattr(torch, run.model.dtype)).bits // 8,
         model_parallel=model_parallel,

@@ -62,6 +62,31 @@ def console(show: Callable[[str], None]) -> Callable[[str], None]:
     return say
 
 
+def job_log(out_dir: Path) -> logging.Logger:
+    """The logger that writes a sweep group's job's <out_dir>/grpo.log (and nothing else)."""
+    log = logging.getLogger(f"lorarl.console.{Path(out_dir).name}")
+    log.propagate = False
+    if not log.handlers:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(Path(out_dir) / "grpo.log")
+        handler.setFormatter(logging.Formatter("[%(asctime)s][lorarl.console][%(levelname)s] - %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    return log
+
+
+def job_console(out_dir: Path, label: str, show: Callable[[str], None]) -> Callable[[str], None]:
+    """A line for the user from one job of a sweep group: `show` puts it on the screen with the
+    job's label, and the job's own <out_dir>/grpo.log keeps it as a run alone would."""
+    log = job_log(out_dir)
+
+    def say(line: str) -> None:
+        show(f"[{label}] {line}")
+        log.info(line)
+
+    return say
+
+
 def redact(obj: Any) -> Any:
     """Copy of a config with secret-looking keys blanked: never written to logs or files."""
     if isinstance(obj, dict):
@@ -72,7 +97,18 @@ def redact(obj: Any) -> Any:
 
 
 class Tracker:
-    def __init__(self, loggers: list[str], out_dir: Path, project: str, experiment: str, config: dict, write=print):
+    def __init__(
+        self,
+        loggers: list[str],
+        out_dir: Path,
+        project: str,
+        experiment: str,
+        config: dict,
+        write=print,
+        concurrent: bool = False,
+    ):
+        """`concurrent`: other trackers log beside this one in the process (a sweep group's jobs),
+        so a wandb run of its own is started rather than the last one finished."""
         self.loggers = set(loggers)
         self.out_dir = Path(out_dir)
         self.write = write
@@ -87,7 +123,11 @@ class Tracker:
             import wandb
 
             self._wandb = wandb.init(
-                project=project, name=experiment, config=config, dir=str(self.out_dir), reinit="finish_previous"
+                project=project,
+                name=experiment,
+                config=config,
+                dir=str(self.out_dir),
+                reinit="create_new" if concurrent else "finish_previous",
             )
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter

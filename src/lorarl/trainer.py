@@ -10,17 +10,18 @@ the adapter before it (docs/algorithms.md, "One step off-policy"): update || gen
 With trainer.placement=split the generation runs on rollout workers of their own and the update on
 the training workers (lorarl.split.group), behind the same calls.
 
-Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
-its GRPO group, stay on one worker.
+A run is one job with one adapter. A sweep's group (hydra/launcher=shared_base) is several jobs
+trained in lockstep as adapters of one base: each step is still three calls, each carrying every
+job's share (one generation, one update, one sync), and each job's prompts, rewards, advantages,
+metrics and files stay its own (lorarl.driver.jobs). A job whose update fails (a non-finite loss)
+ends alone; the others go on.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -29,43 +30,17 @@ from lorarl import metrics as keys
 from lorarl.algorithms import advantages
 from lorarl.checkpoint import read_trainer_state, write_trainer_state
 from lorarl.config.compose import to_run_config
-from lorarl.config.run import RunConfig, steps_for
+from lorarl.config.run import steps_for
+from lorarl.driver.jobs import AdapterRun, Job
+from lorarl.driver.rollouts import Draw, PromptGroup, per_job, requests_for, sampling_seed, score_groups, split
 from lorarl.errors import LorarlError
-from lorarl.messages import (
-    GenerateRequest,
-    Rollouts,
-    Sampling,
-    SyncReport,
-    SyncRequest,
-    UpdateRequest,
-    reduce_metrics,
-)
+from lorarl.messages import SyncReport, SyncRequest, UpdateRequest, reduce_metrics
 from lorarl.off_policy import Ahead, BatchAhead, overlap_plan, staleness
-from lorarl.tracking import Tracker, console, redact
+from lorarl.tracking import console, job_console, redact
 
 # Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
 # time, so validation numbers of two steps differ only by the weights.
 VALIDATION_SEED = 12345
-
-
-def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int:
-    """The rollout seed of one data-parallel shard at one step (and generation round, for
-    dynamic sampling): distinct across all of them (seed + step + shard collided: shard 1 of
-    step s drew what shard 0 drew at step s + 1)."""
-    import numpy as np
-
-    entropy = [seed, step, shard] + ([round_index] if round_index else [])
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
-
-
-def sampling_of(run: RunConfig) -> Sampling:
-    """How every training rollout of the run is drawn, as the update needs to know it."""
-    return Sampling(
-        n=run.rollout.n,
-        temperature=run.rollout.temperature,
-        max_response_length=run.data.max_response_length,
-        seed=run.trainer.seed,
-    )
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -74,9 +49,9 @@ def run(cfg: DictConfig) -> float | None:
 
     run_cfg = to_run_config(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
-    trainer = GRPOTrainer(run_cfg, out_dir)
+    trainer = GRPOTrainer([Job(run_cfg, out_dir)])
     try:
-        return trainer.fit()
+        return trainer.fit()[0]
     finally:
         trainer.close()
 
@@ -93,60 +68,66 @@ def startup_lines(first_sync: SyncReport, startup: dict[str, float]) -> list[str
 
 
 class GRPOTrainer:
-    def __init__(self, run: RunConfig, out_dir: Path):
-        from lorarl.prepare import prepare
+    def __init__(self, jobs: list[Job]):
+        """`jobs`: a run's one job, or a sweep group's jobs (the same base, data and shapes:
+        lorarl.driver.groups), each trained as an adapter of its own."""
+        from tqdm.auto import tqdm
 
-        self.run = run
-        self.out_dir = Path(out_dir)
+        from lorarl.prepare import group_worker_spec, prepare
+
         self.workers = None
-        self.tracker = None
-        # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
-        prepared = prepare(run, self.out_dir)
-        self.device = prepared.device
-        self.worker_spec = prepared.worker_spec
-        self.tokenizer = prepared.tokenizer
-        self.loader, self.val_items, self.dropped_prompts = (
-            prepared.loader,
-            prepared.val_items,
-            prepared.dropped_prompts,
-        )
-        self.total_steps = steps_for(run, self.loader.steps_per_epoch)
+        several = len(jobs) > 1
+        self.jobs: list[AdapterRun] = []
+        for i, job in enumerate(jobs):
+            say = job_console(job.out_dir, job.label, tqdm.write) if several else console(tqdm.write)
+            # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
+            prepared = prepare(job.run, Path(job.out_dir))
+            self.jobs.append(AdapterRun(i, job, prepared, say))
+        self.run = jobs[0].run  # what every job of a group shares: model, data, shapes, engines
+        self.device, self.tokenizer = prepared.device, prepared.tokenizer
+        self.worker_spec = group_worker_spec([j.run for j in self.jobs], [j.label for j in self.jobs], self.device) if several else prepared.worker_spec  # fmt: skip
+        self.total_steps = steps_for(self.run, self.jobs[0].loader.steps_per_epoch)
         self.step = 0
-        self.sampling = sampling_of(run)
-        self.ckpt, self.resume_from = prepared.checkpoints, prepared.resume_from
-        self.prepare_seconds = prepared.seconds
-        # trainer.off_policy_steps=1: the batch generated during the last update, and whether the
-        # workers can overlap the two (decided in fit, from their sleep plans).
+        # trainer.off_policy_steps=1 (one job): the batch generated during the last update, and
+        # whether the workers can overlap the two (decided in fit, from their sleep plans).
         self.ahead: BatchAhead | None = None
         self.overlap = False
         self.sampled_version = 0
 
+    @property
+    def active(self) -> list[AdapterRun]:
+        return [j for j in self.jobs if j.active]
+
+    def say_all(self, line: str) -> None:
+        for job in self.jobs:
+            job.say(line)
+
     # ---- loop ----------------------------------------------------------------------------
 
-    def fit(self) -> float | None:
+    def fit(self) -> list[float | None]:
+        """Train every job to the end; each job's last mean reward (None: it ended alone)."""
         from tqdm.auto import tqdm
 
         from lorarl.split.group import SplitWorkerGroup
         from lorarl.worker_group import WorkerGroup
 
         tc = self.run.trainer
-        say = console(tqdm.write)
-        self.tracker = Tracker(
-            tc.logger, self.out_dir, tc.project_name, tc.experiment_name, self.run.to_dict(), write=say
-        )
-        if self.dropped_prompts:
-            say(f"data: dropped {self.dropped_prompts} prompts longer than data.max_prompt_length")
+        for job in self.jobs:
+            job.start_tracking(several=len(self.jobs) > 1)
+            if job.dropped_prompts:
+                job.say(f"data: dropped {job.dropped_prompts} prompts longer than data.max_prompt_length")
         group = SplitWorkerGroup if tc.placement == "split" else WorkerGroup
-        self.workers = group(self.run, self.worker_spec, self.device, run_dir=self.out_dir, say=say)
+        first = self.jobs[0]
+        self.workers = group(self.run, self.worker_spec, self.device, run_dir=first.out_dir, say=self.say_all)
         # Where each rank runs, in the run log and the metrics (a multi-node run can be checked).
-        say(f"workers: {self.workers.describe()}")
+        self.say_all(f"workers: {self.workers.describe()}")
         node_ids = [where.node_id for where in self.workers.placement]
         placement = {keys.INIT_NUM_NODES.key: len(set(node_ids)), keys.INIT_WORKER_NODE_IDS.key: ",".join(node_ids)}
         for plan in dict.fromkeys([str(self.worker_spec.base_plan), *self.workers.sleep_plans]):
-            say(plan)
+            self.say_all(plan)
         sync = self.worker_spec.sync
         if sync.check and not sync.semantic:
-            say(
+            self.say_all(
                 f"sync checks: the {self.run.backend.strategy} engine has no semantic check yet for "
                 f"{'merged' if sync.merge else 'adapter'} sync (sync/adapter_meaning); the transport fingerprint and the "
                 "probe check each sync"
@@ -154,123 +135,163 @@ class GRPOTrainer:
         if tc.off_policy_steps:
             self.overlap, line = overlap_plan(tc.off_policy_steps, self.workers.rollout_sleeps, self.step)
             if not self.overlap:
-                say(line)
-        resumed = self.resume_from is not None
-        if resumed:
-            self.load_checkpoint(self.resume_from)
-            # The steps after the checkpoint run again: their rows from the stopped process go.
-            self.tracker.drop_after(self.step)
-            say(f"resumed from {self.resume_from} at step {self.step}")
-            if self.overlap:
-                say(
-                    f"off-policy resume: the batch that was in flight at the checkpoint is generated again, by the "
-                    f"checkpoint's adapter (same prompts and seeds; rollout/staleness 0 at step {self.step + 1})"
-                )
+                first.say(line)
+        resumed = self.resume()
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
-        first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))[0]
-        startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
-        startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
-        # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
-        # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
-        pending = startup_row if 0 < self.step < self.total_steps else {}
-        if not pending:
-            self.log(startup_row, step=self.step)
-        for line in startup_lines(first_sync, startup):
-            say(line)
-        if tc.val_before_train and self.val_items and not resumed:
-            self.log(self.validate(), step=0)
-        last_reward = None
+        first_syncs = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))
+        pending = {}
+        for job, first_sync in zip(self.jobs, first_syncs, strict=True):
+            startup = {"timing/prepare": job.prepare_seconds, **self.workers.startup}
+            row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
+            # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
+            # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
+            pending[job.index] = row if 0 < self.step < self.total_steps else {}
+            if not pending[job.index]:
+                job.log(row, step=self.step)
+            for line in startup_lines(first_sync, startup):
+                job.say(line)
+        if tc.val_before_train and first.val_items and not resumed:
+            for job, row in self.validate().items():
+                job.log(row, step=0)
         bar = tqdm(
             total=self.total_steps, initial=self.step, desc="grpo", disable=not tc.progress_bar, dynamic_ncols=True
         )
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and self.active:
             self.step += 1
-            try:
-                metrics, sync = self.train_step()
-                if (
-                    tc.test_freq > 0
-                    and self.val_items
-                    and (self.step % tc.test_freq == 0 or self.step == self.total_steps)
-                ):
-                    metrics.update(self.validate())
-                if tc.save_freq > 0 and (self.step % tc.save_freq == 0 or self.step == self.total_steps):
-                    metrics[keys.TIMING_SAVE.key] = self.save_checkpoint()
-            except LorarlError as err:
-                raise type(err)(self._stopped_at(err)) from err
-            if sync.sleep_plan:
-                say(f"step {self.step}: from the next step the {sync.sleep_plan}")
-                if tc.off_policy_steps and not self.overlap and sync.rollout_sleeps is False:
-                    self.overlap, line = overlap_plan(tc.off_policy_steps, False, self.step)
-                    say(line)
-            self.log({**pending, **metrics}, step=self.step)
+            self.run_step(pending, bar)
             pending = {}
-            last_reward = metrics[keys.REWARD_MEAN.key]
-            bar.update(1)
-            bar.set_postfix(reward=f"{last_reward:.3f}", sync=sync.kind)
         bar.close()
-        final = self.out_dir / "final_adapter"
-        self.workers.export_adapter([str(final)])
-        say(f"final adapter: {final}")
-        if "jsonl" in tc.logger:
-            from lorarl.plot import plot
+        self.finish()
+        return [job.last_reward if job.active else None for job in self.jobs]
 
-            self.tracker.finish()
-            plots = plot(self.out_dir)
-            say(f"plots: {', '.join(p.name for p in plots)} in {self.out_dir}")
-        return last_reward
+    def run_step(self, pending: dict[int, dict], bar) -> None:
+        """One step of every active job, its validation and checkpoint when due, logged per job."""
+        tc = self.run.trainer
+        try:
+            rows, syncs = self.train_step()
+            if (
+                tc.test_freq > 0
+                and self.jobs[0].val_items
+                and (self.step % tc.test_freq == 0 or self.step == self.total_steps)
+            ):
+                for job, row in self.validate().items():
+                    rows[job].update(row)
+            if tc.save_freq > 0 and (self.step % tc.save_freq == 0 or self.step == self.total_steps):
+                seconds = self.save_checkpoint()
+                for row in rows.values():
+                    row[keys.TIMING_SAVE.key] = seconds
+        except LorarlError as err:
+            raise type(err)(self._stopped_at(err)) from err
+        sync = syncs[0]
+        if sync.sleep_plan:
+            self.say_all(f"step {self.step}: from the next step the {sync.sleep_plan}")
+            if tc.off_policy_steps and not self.overlap and sync.rollout_sleeps is False:
+                self.overlap, line = overlap_plan(tc.off_policy_steps, False, self.step)
+                self.jobs[0].say(line)
+        for job, row in rows.items():
+            job.log({**pending.get(job.index, {}), **row}, step=self.step)
+            job.last_reward = row[keys.REWARD_MEAN.key]
+        bar.update(1)
+        bar.set_postfix(reward=f"{self.jobs[0].last_reward:.3f}", sync=sync.kind)
 
-    def log(self, row: dict, step: int) -> None:
-        """One row of metrics. Every key is one of lorarl.metrics' list (a KeyError names one that is not)."""
-        self.tracker.log({keys.checked(k): v for k, v in row.items()}, step=step)
+    def finish(self) -> None:
+        """Each job that ran to the end: its final adapter, and its plots."""
+        done = self.active
+        finals = [str(job.out_dir / "final_adapter") for job in self.jobs]
+        self.workers.export_adapter(finals)
+        for job in done:
+            job.say(f"final adapter: {job.out_dir / 'final_adapter'}")
+        for job in self.jobs:
+            if "jsonl" in job.run.trainer.logger:
+                from lorarl.plot import plot
+
+                job.finish()
+                plots = plot(job.out_dir)
+                job.say(f"plots: {', '.join(p.name for p in plots)} in {job.out_dir}")
 
     def _stopped_at(self, err: LorarlError) -> str:
         """The error with the step it stopped at and the checkpoint a relaunch would resume from."""
         msg = str(err)
         if not msg.startswith(f"step {self.step}:"):
             msg = f"step {self.step}: {msg}"
-        latest = self.ckpt.latest()
+        latest = self.jobs[0].ckpt.latest()
         if latest is None:
             return f"{msg}; no checkpoint was saved (trainer.save_freq={self.run.trainer.save_freq})"
         return f"{msg}; last complete checkpoint: {latest} (relaunch with the same hydra.run.dir to resume from it)"
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def resume(self) -> bool:
+        """Load the checkpoint each job resumes from; a group's jobs from their newest common step."""
+        from lorarl.checkpoint import common_resume
+
+        found = common_resume([(job.ckpt, job.resume_from) for job in self.jobs])
+        if found is None:
+            return False
+        self.load_checkpoint(found)
+        for job, path in zip(self.jobs, found, strict=True):
+            # The steps after the checkpoint run again: their rows from the stopped process go.
+            job.tracker.drop_after(self.step)
+            job.say(f"resumed from {path} at step {self.step}")
+            if (job.out_dir / "ended.txt").is_file():
+                job.ended = (job.out_dir / "ended.txt").read_text().strip()
+                job.say(f"ended before: {job.ended}")
+        if self.overlap:
+            self.jobs[0].say(
+                f"off-policy resume: the batch that was in flight at the checkpoint is generated again, by the "
+                f"checkpoint's adapter (same prompts and seeds; rollout/staleness 0 at step {self.step + 1})"
+            )
+        return True
+
     def save_checkpoint(self) -> float:
+        """Every job's checkpoint at this step in its own folder, committed together: all jobs'
+        folders are whole before any old checkpoint is pruned, so a kill leaves a common step."""
         t0 = time.perf_counter()
-        tmp = self.ckpt.begin(self.step)
+        tmps = [job.ckpt.begin(self.step) for job in self.jobs]
         try:
-            self.workers.save_checkpoint([str(tmp)])
-            config_yaml = OmegaConf.to_yaml(redact(self.run.to_dict()))
+            self.workers.save_checkpoint([str(tmp) for tmp in tmps])
             # A batch generated ahead is not saved: the loader is saved as it was before drawing
             # it, and a resumed run draws and generates it again (fit says so).
             ahead = self.ahead
-            loader_state = ahead.loader_state if ahead else self.loader.state_dict()
-            write_trainer_state(tmp, self.step, loader_state, ahead.rng if ahead else random.getstate(), config_yaml)
-            self.ckpt.commit(tmp, self.step)
+            for job, tmp in zip(self.jobs, tmps, strict=True):
+                config_yaml = OmegaConf.to_yaml(redact(job.run.to_dict()))
+                loader_state = ahead.loader_state if ahead else job.loader.state_dict()
+                write_trainer_state(
+                    tmp, self.step, loader_state, ahead.rng if ahead else random.getstate(), config_yaml
+                )
+            for job, tmp in zip(self.jobs, tmps, strict=True):
+                job.ckpt.commit(tmp, self.step, prune=False)
         except BaseException:
-            self.ckpt.abort(tmp)
+            for job, tmp in zip(self.jobs, tmps, strict=True):
+                job.ckpt.abort(tmp)
             raise
+        for job in self.jobs:
+            job.ckpt.prune()
         return time.perf_counter() - t0
 
-    def load_checkpoint(self, path: Path) -> None:
-        step, loader_state, python_rng = read_trainer_state(path)
-        self.workers.load_checkpoint([str(path)])
+    def load_checkpoint(self, paths: list[Path]) -> None:
+        self.workers.load_checkpoint([str(p) for p in paths])
+        for job, path in zip(self.jobs, paths, strict=True):
+            step, loader_state, python_rng = read_trainer_state(path)
+            job.loader.load_state_dict(loader_state)
         self.step = step
-        self.loader.load_state_dict(loader_state)
         random.setstate(python_rng)
 
-    def train_step(self) -> tuple[dict, SyncReport]:
-        """One GRPO step: three calls to the workers (generate; update; sync). Returns the step's
-        metrics and the merged sync report (its kind and a changed sleep plan go to the console).
-        Off-policy, the batch is the one generated during the last update, and the next one is
-        generated during this update (start_generate; collected before the sync)."""
+    # ---- the step --------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[dict[AdapterRun, dict], list[SyncReport]]:
+        """One GRPO step: three calls to the workers (generate; update; sync). Returns each active
+        job's metrics and the sync reports (their first's kind and a changed sleep plan go to the
+        console). Off-policy, the batch is the one generated during the last update, and the next
+        one is generated during this update (start_generate; collected before the sync)."""
         t_step = time.perf_counter()
         if self.ahead is None:
             groups, gen_rounds, t_gen = self.rollout_groups()
-            version, epoch = self.sampled_version, self.loader.epoch
+            version, epochs = self.sampled_version, {job: job.loader.epoch for job in self.active}
         else:
             ahead, self.ahead = self.ahead, None
-            groups, gen_rounds, t_gen, version, epoch = ahead.groups, 1, ahead.seconds, ahead.version, ahead.epoch
+            groups, gen_rounds, t_gen = {self.jobs[0]: ahead.groups}, 1, ahead.seconds
+            version, epochs = ahead.version, {self.jobs[0]: ahead.epoch}
         next_ahead = self.start_ahead() if self.overlap and self.step < self.total_steps else None
         t0 = time.perf_counter()
         train = self.workers.update(self.update_requests(groups))
@@ -278,15 +299,34 @@ class GRPOTrainer:
         t_gen_wait = None
         if next_ahead is not None:
             t0 = time.perf_counter()
-            self.ahead = next_ahead.collect(self.workers.collect_generate(), self.score_groups)
+            self.ahead = next_ahead.collect(self.workers.collect_generate(), self._score_shares)
             t_gen_wait = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))[0]
+        syncs = self.workers.sync(SyncRequest(self.step, last=self.step == self.total_steps))
         t_sync = time.perf_counter() - t0
+        timings = {keys.TIMING_GEN.key: t_gen, keys.TIMING_TRAIN.key: t_update, keys.TIMING_SYNC.key: t_sync}
+        rows = {}
+        for job, job_groups in groups.items():
+            ended = next((r.ppo[job.index].ended for r in train if r.ppo[job.index].ended), None)
+            if ended is not None and len(self.jobs) > 1:
+                job.end(ended)  # its weights were left as they were; the others go on
+                continue
+            rows[job] = self.job_metrics(job, job_groups, train, syncs[job.index], gen_rounds)
+            rows[job].update(timings)
+            rows[job][keys.TIMING_STEP.key] = time.perf_counter() - t_step
+            if t_gen_wait is not None:
+                rows[job][keys.TIMING_GEN_WAIT.key] = t_gen_wait
+            rows[job][keys.DATA_EPOCH.key] = epochs[job]
+            if self.run.trainer.off_policy_steps:
+                bound = self.run.trainer.off_policy_steps if self.overlap else 0
+                rows[job][keys.ROLLOUT_STALENESS.key] = staleness(self.step, version, bound)
+        return rows, syncs
 
+    def job_metrics(self, job: AdapterRun, groups: list[PromptGroup], train, sync: SyncReport, rounds: int) -> dict:
+        """One job's row of the step: its rewards, lengths, its update (over replicas) and sync."""
         rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
         lengths = [len(s) for g in groups for s in g.samples]
-        replicas = [report.metrics() for report in train]
+        replicas = [report.metrics(job.index) for report in train]
         metrics = {
             keys.REWARD_MEAN.key: float(rewards.mean()),
             keys.REWARD_STD.key: float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -295,201 +335,153 @@ class GRPOTrainer:
             **reduce_metrics({k: [replica[k] for replica in replicas] for k in replicas[0]}),
             **sync.metrics(),
         }
-        fg = self.run.algorithm.filter_groups
+        fg, ob = job.run.algorithm.filter_groups, job.run.algorithm.overlong_buffer
         if fg.enable:
-            metrics[keys.DATA_GEN_ROUNDS.key] = gen_rounds
+            metrics[keys.DATA_GEN_ROUNDS.key] = rounds
             metrics[keys.DATA_GROUPS_WITH_SIGNAL.key] = sum(g.has_signal(fg.metric) for g in groups) / len(groups)
-        if self.run.algorithm.overlong_buffer.enable:
+        if ob.enable:
             penalties = [p for g in groups for p in g.overlong]
             metrics[keys.REWARD_OVERLONG_REWARD.key] = sum(penalties) / len(penalties)
             metrics[keys.REWARD_OVERLONG.key] = sum(p < 0 for p in penalties) / len(penalties)
-        metrics[keys.TIMING_GEN.key] = t_gen
-        metrics[keys.TIMING_TRAIN.key] = t_update
-        metrics[keys.TIMING_SYNC.key] = t_sync
-        metrics[keys.TIMING_STEP.key] = time.perf_counter() - t_step
-        if t_gen_wait is not None:
-            metrics[keys.TIMING_GEN_WAIT.key] = t_gen_wait
-        metrics[keys.DATA_EPOCH.key] = epoch
-        if self.run.trainer.off_policy_steps:
-            bound = self.run.trainer.off_policy_steps if self.overlap else 0
-            metrics[keys.ROLLOUT_STALENESS.key] = staleness(self.step, version, bound)
-        return metrics, sync
+        return metrics
 
     def start_ahead(self) -> Ahead:
         """Draw the next step's prompts and begin their generation on the workers (returns at once)."""
-        state = (self.loader.state_dict(), random.getstate())
-        prompts = self.loader.next_batch()
-        shards, requests = self.generation_requests(prompts, self.step + 1)
+        job = self.jobs[0]
+        state = (job.loader.state_dict(), random.getstate())
+        shares, requests = self.generation_requests({job: job.loader.next_batch()}, self.step + 1)
         self.workers.start_generate(requests)
-        return Ahead(shards, self.loader.epoch, *state)
+        return Ahead(shares, job.loader.epoch, *state)
 
-    def update_requests(self, groups: list[PromptGroup]) -> list[UpdateRequest]:
-        """Group-normalised advantages; prompt groups split contiguously over data-parallel replicas."""
+    def update_requests(self, groups: dict[AdapterRun, list[PromptGroup]]) -> list[UpdateRequest]:
+        """Group-normalised advantages, per job; each job's prompt groups split contiguously over
+        data-parallel replicas, a replica's request holding every job's share."""
+        dp, several = self.workers.dp_size, len(self.jobs) > 1
         requests = []
-        for shard in _split(groups, self.workers.dp_size):
-            scores = [x for g in shard for x in g.rewards]
-            index = [k for k, g in enumerate(shard) for _ in g.samples]
-            adv = advantages.grpo_advantages(
-                torch.tensor(scores), torch.tensor(index), norm_by_std=self.run.algorithm.norm_adv_by_std_in_grpo
-            )
+        for d in range(dp):
+            prompt_ids, response_ids, adv, logps, adapters = [], [], [], [], []
+            for job, job_groups in groups.items():
+                shard = split(job_groups, dp)[d]
+                scores = [x for g in shard for x in g.rewards]
+                index = [k for k, g in enumerate(shard) for _ in g.samples]
+                norm = job.run.algorithm.norm_adv_by_std_in_grpo
+                adv += advantages.grpo_advantages(torch.tensor(scores), torch.tensor(index), norm_by_std=norm).tolist()
+                prompt_ids += [g.item.prompt_ids for g in shard for _ in g.samples]
+                response_ids += [s for g in shard for s in g.samples]
+                logps += [lp for g in shard for lp in g.logprobs]
+                adapters += [job.index] * len(index)
             requests.append(
                 UpdateRequest(
                     step=self.step,
-                    prompt_ids=[g.item.prompt_ids for g in shard for _ in g.samples],
-                    response_ids=[s for g in shard for s in g.samples],
-                    advantages=adv.tolist(),
-                    rollout_logprobs=[lp for g in shard for lp in g.logprobs],
-                    samplings=(self.sampling,),
+                    prompt_ids=prompt_ids,
+                    response_ids=response_ids,
+                    advantages=adv,
+                    rollout_logprobs=logps,
+                    samplings=tuple(job.sampling for job in self.jobs),
+                    adapters=adapters if several else None,
                 )
             )
         return requests
 
-    def rollout_groups(self) -> tuple[list[PromptGroup], int, float]:
-        """data.train_batch_size prompt groups, sampled and scored: (groups, generation rounds,
-        generation seconds). With algorithm.filter_groups, groups whose `metric` is equal for
-        every sample carry no signal and are replaced by groups of further prompts (DAPO's
-        dynamic sampling; data.gen_batch_size prompts a round), for at most max_num_gen_batches
-        rounds (0: until the batch is full, as verl); a batch still short is filled with them
-        (verl stops the run with an error there)."""
+    def rollout_groups(self) -> tuple[dict[AdapterRun, list[PromptGroup]], int, float]:
+        """Each active job's data.train_batch_size prompt groups, sampled and scored: (groups per job,
+        generation rounds, generation seconds). With algorithm.filter_groups (one job), groups whose
+        `metric` is equal for every sample carry no signal and are replaced by groups of further
+        prompts (DAPO's dynamic sampling; data.gen_batch_size prompts a round), for at most
+        max_num_gen_batches rounds (0: until the batch is full, as verl); a batch still short is
+        filled with them (verl stops the run with an error there)."""
         fg = self.run.algorithm.filter_groups
-        size = self.run.data.train_batch_size
+        if not fg.enable:
+            groups, seconds = self.sample_groups({job: job.loader.next_batch() for job in self.active})
+            return groups, 1, seconds
+        job, size = self.jobs[0], self.run.data.train_batch_size
         kept: list[PromptGroup] = []
         flat: list[PromptGroup] = []
         seconds, rounds = 0.0, 0
         while True:
             rounds += 1
-            groups, gen_s = self.sample_groups(self.loader.next_batch(), round_index=rounds - 1)
+            groups, gen_s = self.sample_groups({job: job.loader.next_batch()}, round_index=rounds - 1)
             seconds += gen_s
-            if not fg.enable:
-                return groups, rounds, seconds
-            kept += [g for g in groups if g.has_signal(fg.metric)]
-            flat += [g for g in groups if not g.has_signal(fg.metric)]
+            kept += [g for g in groups[job] if g.has_signal(fg.metric)]
+            flat += [g for g in groups[job] if not g.has_signal(fg.metric)]
             if len(kept) >= size or 0 < fg.max_num_gen_batches <= rounds:
                 break
-        return (kept + flat)[:size], rounds, seconds
+        return {job: (kept + flat)[:size]}, rounds, seconds
 
-    def sample_groups(self, prompts: list, round_index: int = 0) -> tuple[list[PromptGroup], float]:
-        """rollout.n samples of each prompt from vLLM (prompts split over its engines), scored."""
-        shards, requests = self.generation_requests(prompts, self.step, round_index)
+    def sample_groups(self, prompts: dict[AdapterRun, list], round_index: int = 0):
+        """rollout.n samples of each job's prompts from vLLM (one call, prompts split over its
+        engines), scored: (groups per job, generation seconds)."""
+        shares, requests = self.generation_requests(prompts, self.step, round_index)
         gen = self.workers.generate(requests)
         self.sampled_version = min(rollouts.adapter_version for rollouts in gen)
-        return self.score_groups(shards, gen), max(rollouts.seconds for rollouts in gen)
+        came = per_job(shares, gen)
+        groups = {job: score_groups(job.run, came.get(job, []), self.scorer(job)) for job in prompts}
+        return groups, max(rollouts.seconds for rollouts in gen)
 
-    def generation_requests(
-        self, prompts: list, step: int, round_index: int = 0
-    ) -> tuple[list[list], list[GenerateRequest]]:
-        """The prompts split over the rollout engines, and each engine's request for `step`."""
-        r, d = self.run.rollout, self.run.data
-        shards = _split(prompts, self.workers.rollout_size)
-        seed = self.run.trainer.seed
-        requests = [
-            GenerateRequest(
-                prompt_ids=[p.prompt_ids for p in shard],
-                n=r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                max_tokens=d.max_response_length,
-                seed=sampling_seed(seed, step, i, round_index),
-                for_training=True,
-            )
-            for i, shard in enumerate(shards)
-        ]
-        return shards, requests
+    def generation_requests(self, prompts: dict[AdapterRun, list], step: int, round_index: int = 0):
+        """Each engine's share of every job's prompts and its request for `step` (lorarl.driver.rollouts)."""
+        r, seed = self.run.rollout, self.run.trainer.seed
+        draws = {job: Draw(job.index, r.n, job.run.rollout.temperature, job.run.rollout.top_p) for job in prompts}
+        return requests_for(
+            prompts,
+            draws,
+            self.workers.rollout_size,
+            self.run.data.max_response_length,
+            lambda engine: sampling_seed(seed, step, engine, round_index),
+            for_training=True,
+        )
 
-    def score_groups(self, shards: list[list], gen: list[Rollouts]) -> list[PromptGroup]:
-        """Each prompt's samples scored, with DAPO's overlong penalty when on."""
-        d, alg = self.run.data, self.run.algorithm
-        ob = alg.overlong_buffer
-        buffer = (ob.len or max(1, d.max_response_length // 5)) if ob.enable else 0
-        groups = []
-        for shard, rollouts in zip(shards, gen):
-            for item, samples, lps in zip(shard, rollouts.token_ids, rollouts.logprobs):
-                scores = [self.score(item, s) for s in samples]
-                overlong = [
-                    advantages.overlong_penalty(len(s), d.max_response_length, buffer, ob.penalty_factor)
-                    if buffer
-                    else 0.0
-                    for s in samples
-                ]
-                rewards = [x + p for x, p in zip(scores, overlong)]
-                groups.append(PromptGroup(item, samples, lps, rewards, scores, overlong))
-        return groups
+    def _score_shares(self, shares, gen) -> list[PromptGroup]:
+        """The off-policy batch (one job) scored, as Ahead.collect asks."""
+        job = self.jobs[0]
+        return score_groups(job.run, per_job(shares, gen).get(job, []), self.scorer(job))
 
-    def score(self, item, response_ids: list[int]) -> float:
+    def scorer(self, job: AdapterRun):
+        """`score(item, response_ids)`: the job's reward for one response."""
         from lorarl.rewards import RESPONSE_IDS, get_reward_fn
 
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        d = self.run.data
-        fn = get_reward_fn(item.data_source, d.reward_fn, self.run.reward, d.reward_kwargs)
-        return float(fn(text, item.ground_truth, {**item.extra_info, RESPONSE_IDS: list(response_ids)}))
+        d = job.run.data
 
-    def validate(self) -> dict:
-        """Generate on data.val_files with rollout.val_kwargs; lorarl.evaluation turns the texts into metrics."""
+        def score(item, response_ids: list[int]) -> float:
+            text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+            fn = get_reward_fn(item.data_source, d.reward_fn, job.run.reward, d.reward_kwargs)
+            return float(fn(text, item.ground_truth, {**item.extra_info, RESPONSE_IDS: list(response_ids)}))
+
+        return score
+
+    def validate(self) -> dict[AdapterRun, dict]:
+        """Every active job's generation on data.val_files with rollout.val_kwargs (one call);
+        lorarl.evaluation turns each job's texts into its metrics."""
         from lorarl.evaluation import validation_metrics
 
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0
-        shards = _split(self.val_items, self.workers.rollout_size)
+        jobs = self.active
         t0 = time.perf_counter()
-        gen = self.workers.generate(
-            [
-                GenerateRequest(
-                    prompt_ids=[p.prompt_ids for p in shard],
-                    n=vk.n,
-                    temperature=temperature,
-                    top_p=vk.top_p,
-                    max_tokens=d.max_response_length,
-                    seed=VALIDATION_SEED + i,
-                    for_training=False,
-                )
-                for i, shard in enumerate(shards)
-            ],
+        shares, requests = requests_for(
+            {job: job.val_items for job in jobs},
+            {job: Draw(job.index, vk.n, temperature, vk.top_p) for job in jobs},
+            self.workers.rollout_size,
+            d.max_response_length,
+            lambda engine: VALIDATION_SEED + engine,
+            for_training=False,
         )
-        items, texts, token_ids = [], [], []
-        for shard, rollouts in zip(shards, gen):
-            for item, samples in zip(shard, rollouts.token_ids):
-                items.append(item)
-                texts.append([self.tokenizer.decode(s, skip_special_tokens=True) for s in samples])
-                token_ids.append([list(s) for s in samples])
-        out = validation_metrics(items, texts, self.run.reward, d.reward_fn, token_ids, d.reward_kwargs)
-        out[keys.TIMING_VAL.key] = time.perf_counter() - t0
+        came = per_job(shares, self.workers.generate(requests))
+        seconds = time.perf_counter() - t0
+        out = {}
+        for job in jobs:
+            rows = came.get(job, [])
+            texts = [[self.tokenizer.decode(s, skip_special_tokens=True) for s in samples] for _, samples, _ in rows]
+            token_ids = [[list(s) for s in samples] for _, samples, _ in rows]
+            jd = job.run.data
+            items = [item for item, _, _ in rows]
+            out[job] = validation_metrics(items, texts, job.run.reward, jd.reward_fn, token_ids, jd.reward_kwargs)
+            out[job][keys.TIMING_VAL.key] = seconds
         return out
 
     def close(self) -> None:
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
-        if self.tracker is not None:
-            self.tracker.finish()
-            self.tracker = None
-
-
-@dataclass
-class PromptGroup:
-    """One prompt's rollout.n samples (its GRPO group): token ids, the sampler's log-probs, rewards
-    (the reward function's scores plus the overlong penalties)."""
-
-    item: Any
-    samples: list[list[int]]
-    logprobs: list[list[float]]
-    rewards: list[float]
-    scores: list[float] | None = None  # the reward function's values; None: the rewards
-    overlong: list[float] | None = None  # DAPO's overlong penalty per sample (0 when off)
-
-    def has_signal(self, metric: str = "seq_final_reward") -> bool:
-        """Whether the samples differ in `metric` (algorithm.filter_groups.metric, verl's names):
-        acc / score read the reward function's values, seq_reward / seq_final_reward the rewards
-        (no KL is ever in the reward here, so the two agree, as do acc and score)."""
-        values = self.scores if metric in ("acc", "score") and self.scores is not None else self.rewards
-        return max(values) != min(values)
-
-
-def _split(items: list, parts: int) -> list[list]:
-    size = len(items) // parts
-    extra = len(items) % parts
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
+        for job in self.jobs:
+            job.finish()

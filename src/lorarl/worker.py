@@ -313,7 +313,9 @@ class Worker:
         report = UpdateReport(ppo=stats, **timing)
         if self.device.type == "cuda":
             highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(max(s.micro_batch_tokens_max for s in stats)))
+            self.sleep.record_update(
+                highest - before, int(max(s.micro_batch_tokens_max for s in stats if s is not None))
+            )
             report.max_allocated_gib = highest / 2**30
             report.update_peak_gib = (highest - before) / 2**30
             report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)

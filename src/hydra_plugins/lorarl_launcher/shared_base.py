@@ -54,7 +54,7 @@ class SharedBaseLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         configs = [self._job_config(initial_job_idx + k, o) for k, o in enumerate(job_overrides)]
-        labels = [" ".join(filter_overrides(o)) or "defaults" for o in job_overrides]
+        labels = _varied([filter_overrides(o) for o in job_overrides])
         runs = [self._run_config(c) for c in configs]
         plan = plan_groups(runs, labels, self.max_adapters)
         log.info(f"Launching {len(configs)} jobs in {len(plan.groups)} group(s) on shared bases")
@@ -107,7 +107,8 @@ class SharedBaseLauncher(Launcher):
     def _run_group(self, jobs: list[int], configs: list[DictConfig], runs: list) -> dict[int, JobReturn]:
         """Each job's folder made by Hydra's run_job (a task that returns the folder), then one
         multi-adapter run over all of them; each JobReturn carries its own job's result."""
-        from lorarl.driver.group import GroupJob, run_group
+        from lorarl.driver.group import run_group
+        from lorarl.driver.jobs import Job
 
         returns: dict[int, JobReturn] = {}
         for i in jobs:
@@ -119,10 +120,16 @@ class SharedBaseLauncher(Launcher):
                 job_subdir_key="hydra.sweep.subdir",
                 configure_logging=False,
             )
-        group = [GroupJob(runs[i], Path(returns[i].return_value), f"job {i}") for i in jobs]
+        group = [Job(runs[i], Path(returns[i].return_value), f"job {configs[i].hydra.job.num}") for i in jobs]
         for i, result in zip(jobs, run_group(group), strict=True):
             ret = returns[i]
             ret.status = JobStatus.FAILED if isinstance(result, Exception) else JobStatus.COMPLETED
             ret.return_value = result
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return returns
+
+
+def _varied(overrides: list[list[str]]) -> list[str]:
+    """Each job's overrides that not every job of the sweep shares: what tells the jobs apart."""
+    common = set.intersection(*(set(o) for o in overrides)) if overrides else set()
+    return [" ".join(o for o in job if o not in common) or "the sweep's common settings" for job in overrides]

@@ -63,7 +63,7 @@ def needs_old_logp(
     return correction.first or not (on_policy or correction.bypass)
 
 
-def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[AdapterPlan]) -> list[PPOStats]:
+def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[AdapterPlan]) -> list[PPOStats | None]:
     """PPO-clip epochs over shuffled mini-batches, one optimizer step per mini-batch, for every
     adapter the batch trains (`batch.adapter`, the plan's index per row; None: one adapter).
 
@@ -80,7 +80,8 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
     gradient clipped and stepped by its own optimizer. Their parameters are disjoint and rows never
     interact, so each adapter's update is the one it would get alone. An adapter whose loss or
     gradient is not finite is left as it was and reported (`PPOStats.ended`); alone, that stops
-    the run (TrainingError), as it always has.
+    the run (TrainingError), as it always has. An adapter with no rows in the batch (its job has
+    ended) is left alone, its stats None.
     """
     a = plans[0].actor  # the batch shape is shared by every adapter of a run
     mini = a.ppo_mini_batch_size * plans[0].sampling.n // engine.dp_size
@@ -88,13 +89,14 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
     entropy_mode: EntropyMode = "grad" if any(p.actor.entropy_coeff != 0.0 for p in plans) else "metric"
     temperature = _temperatures(plans)
     rows_of = adapter_rows(batch, len(plans))
+    idle = [i for i, rows in enumerate(rows_of) if len(rows) == 0]  # a group's job that has ended
     sums: list[dict[str, list[float]]] = [{} for _ in plans]
     ended: list[str | None] = [None] * len(plans)
     correction = plans[0].correction  # algorithm.rollout_correction is one per run
     before = correct_before_update(engine, batch, correction, rows_of) if correction.first else [{} for _ in plans]
     for _ in range(a.ppo_epochs):
         order = [rows[torch.randperm(len(rows), generator=gen)] for rows, gen in zip(rows_of, gens, strict=True)]
-        for start in range(0, len(order[0]), mini):
+        for start in range(0, max(len(o) for o in order), mini):
             minibatch = batch.select(torch.cat([o[start : start + mini] for o in order]))
             by_adapter = _adapter_key(minibatch)
             row_sets = [sorted(rows, key=by_adapter) for rows in plan_micro_batches(engine, minibatch, a)]
@@ -108,8 +110,10 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
                         ended[i] = f"step {step}: loss is {v} (pg {metrics[i, keys.ACTOR_PG_LOSS.key]}); stopping"
             if len(plans) == 1 and ended[0] is not None:
                 raise TrainingError(ended[0])  # before the optimizer step: the weights stay as they were
-            norms = engine.optimizer_step(step, skip=[i for i, why in enumerate(ended) if why is not None])
+            norms = engine.optimizer_step(step, skip=[i for i, why in enumerate(ended) if why is not None] + idle)
             for i, norm in enumerate(norms):
+                if i in idle:
+                    continue
                 if not math.isfinite(norm) and ended[i] is None:
                     ended[i] = f"step {step}: grad norm is {norm}; stopping before the update is applied"
                 if len(plans) == 1 and ended[0] is not None:
@@ -120,8 +124,11 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
                 stats.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
                 # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
                 stats.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
-    out = []
+    out: list[PPOStats | None] = []
     for i, (stats, lr) in enumerate(zip(sums, engine.end_step(), strict=True)):
+        if i in idle:
+            out.append(None)
+            continue
         result = reduce_metrics(stats)
         result.update(before[i])
         result[keys.ACTOR_LR.key] = lr

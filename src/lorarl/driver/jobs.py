@@ -44,7 +44,11 @@ class AdapterRun:
 
     def __init__(self, index: int, job: Job, prepared: Any, say):
         self.index, self.run, self.out_dir, self.label = index, job.run, Path(job.out_dir), job.label
-        self.loader, self.val_items, self.dropped_prompts = prepared.loader, prepared.val_items, prepared.dropped_prompts
+        self.loader, self.val_items, self.dropped_prompts = (
+            prepared.loader,
+            prepared.val_items,
+            prepared.dropped_prompts,
+        )
         self.ckpt, self.resume_from = prepared.checkpoints, prepared.resume_from
         self.prepare_seconds = prepared.seconds
         self.sampling = sampling_of(job.run)
@@ -74,6 +78,12 @@ class AdapterRun:
         self.ended = why
         self.say(f"error: {why}")
         (self.out_dir / "ended.txt").write_text(why + "\n")
+
+    def note(self, line: str) -> None:
+        """A line for this job's grpo.log only (what the console already shows once for all)."""
+        from lorarl.tracking import job_log
+
+        job_log(self.out_dir).info(line)
 
     def finish(self) -> None:
         if self.tracker is not None:

@@ -1,0 +1,1 @@
+"""The driver: what runs on the launching machine, from the config to the step loop."""
