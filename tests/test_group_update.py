@@ -5,7 +5,7 @@ own LoRA shape, optimizer, schedule, clipping and loss (token-mean GRPO; Dr. GRP
 weight decay at its own temperature and warm-up; GSPO with an entropy bonus and a grad clip that
 bites), all with token TIS. Beside it, one solo engine per job, built from that job's own config,
 with the same starting factors. Every engine runs the worker's update on the same rows (its own
-only, for a solo engine) for three steps of two mini-batches each, micro-batches cut by a token
+only, for a solo engine) for two steps of two mini-batches each, micro-batches cut by a token
 budget, which mix adapters in the group. The expected side is each solo engine through PEFT's own
 forward; nothing of the group's routing or per-adapter bookkeeping is on it.
 
@@ -187,7 +187,7 @@ def _compare(runs, group_spec, group, solos, steps=(1, 2, 3), all_metrics=False)
 
 
 def test_each_adapter_of_a_group_updates_as_its_job_alone(runs):
-    bad, worst = _compare(runs, *_group_and_solos(runs))
+    bad, worst = _compare(runs, *_group_and_solos(runs), steps=(1, 2))
     assert bad == [], (bad[:5], worst)
 
 
