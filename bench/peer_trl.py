@@ -111,7 +111,7 @@ def arith_train_file(cache: Path) -> str:
     """The arith train parquet the lorarl run reads (conf/data/arith.yaml names the folder), written if missing."""
     os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in the data config reads it
     from lorarl.config.compose import compose
-    from lorarl.prepare import prepare_data
+    from lorarl.driver.prepare import prepare_data
 
     run = compose(["+backend=fsdp", "data=arith"])
     prepare_data(run)

@@ -127,12 +127,12 @@ def lorarl_extras(rows: list[dict]) -> dict:
 
 def param_count(dims: dict) -> int:
     """All parameters of a Qwen2 with these config.json dims (q/k/v biases, two norms per layer,
-    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights.
+    final norm, the LM head once more unless tied): lorarl.rollout.memory's count of the same weights.
     A mixture of experts counts what one token runs through: attention, the router and top-k
     experts' MLPs (the MFU by 4 x active parameters)."""
     from types import SimpleNamespace
 
-    from lorarl.memory import ModelDims, weight_numel
+    from lorarl.rollout.memory import ModelDims, weight_numel
 
     experts = dims.get("num_experts") or dims.get("num_local_experts")  # Qwen's name, transformers 5's
     if experts:

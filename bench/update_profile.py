@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
 from bench.step_report import mfu, param_count
-from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
+from lorarl.contract.engine import build_batch
+from lorarl.driver.prepare import engine_spec
 from lorarl.engines.fsdp import FSDPEngine
-from lorarl.prepare import engine_spec
 
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),

@@ -35,8 +35,8 @@ def _on_signal(signum: int, frame) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo")
 def main(cfg: DictConfig) -> float | None:
-    from lorarl.tracking import console
-    from lorarl.trainer import run
+    from lorarl.driver.trainer import run
+    from lorarl.telemetry.tracking import console
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

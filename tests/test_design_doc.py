@@ -39,7 +39,9 @@ TRACE = step_trace(DESIGN)
 
 def test_the_trace_is_read():
     files = {file for file, _ in TRACE}
-    assert len(TRACE) > 50 and {"trainer.py", "worker.py", "engines/fsdp.py", "worker_group.py"} <= files
+    assert (
+        len(TRACE) > 50 and {"driver/trainer.py", "workers/worker.py", "engines/fsdp.py", "workers/group.py"} <= files
+    )
 
 
 @pytest.mark.parametrize("file, name", TRACE, ids=[f"{f}:{n}" for f, n in TRACE])
@@ -51,9 +53,9 @@ def test_each_named_function_exists(file, name):
 def test_a_renamed_function_fails():
     """What the test exists for: a name that is gone is an AttributeError, a file that is gone an ImportError."""
     renamed = step_trace(DESIGN.replace("GRPOTrainer.train_step,", "GRPOTrainer.run_step,", 1))
-    assert ("trainer.py", "GRPOTrainer.run_step") in renamed
+    assert ("driver/trainer.py", "GRPOTrainer.run_step") in renamed
     with pytest.raises(AttributeError):
-        resolve("trainer.py", "GRPOTrainer.run_step")
+        resolve("driver/trainer.py", "GRPOTrainer.run_step")
     with pytest.raises(ImportError):
         resolve("sync/gone.py", "verify")
 
@@ -128,10 +130,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_through_others():
     """The layout reads top to bottom: no loop of imports among the project's modules."""
     graph = import_graph()
-    assert "lorarl.peft_io" in graph["lorarl.engines.shared_base"]  # an import inside a function is read too
+    assert "lorarl.files.peft_io" in graph["lorarl.engines.shared_base"]  # an import inside a function is read too
     assert cycles(graph) == []
     # what the test exists for: the schema importing the fault names from sync.faults again, the
     # loop once there (faults -> payload -> experts -> schema -> faults), is found
     graph["lorarl.config.schema"] = graph["lorarl.config.schema"] | {"lorarl.sync.faults"}
-    loop = ["lorarl.config.schema", "lorarl.sync.experts", "lorarl.sync.faults", "lorarl.sync.payload"]
+    loop = ["lorarl.config.schema", "lorarl.contract.payload", "lorarl.sync.experts", "lorarl.sync.faults"]
     assert cycles(graph) == [loop]

@@ -5,7 +5,7 @@ import pytest
 from lorarl.config.compose import load_group
 from lorarl.config.schema import RewardConfig
 from lorarl.data.dataset import PromptItem
-from lorarl.evaluation import accuracy, k_values, pass_at_k, validation_metrics
+from lorarl.driver.evaluation import accuracy, k_values, pass_at_k, validation_metrics
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from lorarl.config.compose import compose
+from lorarl.driver.prepare import rollout_engines
 from lorarl.engines.shared_base import plan_base
 from lorarl.errors import ConfigError
-from lorarl.prepare import rollout_engines
 
 SPLIT = "trainer.placement=split"
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lorarl.config.schema import VLLM_LORA_RANKS, vllm_lora_rank
+from lorarl.contract.messages import SyncReport
+from lorarl.contract.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.errors import ConfigError, SyncError
-from lorarl.messages import SyncReport
-from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -205,7 +205,7 @@ def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
     """vLLM 0.26 on GPU: LoRA wrappers keep the wrapped weight under `.base_layer` and load no
     plain names; which modules are wrapped depends on the model (Qwen3's embed_tokens is, as
     the Qwen3-0.6B GPU run's level-2 resend showed; Qwen2's is not). The live names decide."""
-    from lorarl.rollout.vllm_names import resolve_base_name
+    from lorarl.rollout.vllm.names import resolve_base_name
 
     live_qwen3 = frozenset(
         {

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.payload import PayloadKind, WeightPayload
 from lorarl.data import arith
 from lorarl.errors import ConfigError, SyncError
 from lorarl.models.tiny import prompt_ids
-from lorarl.rollout import vllm_engine_args
-from lorarl.rollout.vllm import VLLMRollout
-from lorarl.sync.payload import PayloadKind, WeightPayload
+from lorarl.rollout.vllm import engine_args
+from lorarl.rollout.vllm.engine import VLLMRollout
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOGPROB_TOL = 1e-3
@@ -26,9 +26,9 @@ MAX_LEN = 128
 
 
 def make_rollout(path: Path, adapter_transport: str = "tmpfs", **kw) -> VLLMRollout:
-    """`kw`: engine arguments (vllm_engine_args.build)."""
+    """`kw`: engine arguments (engine_args.build)."""
     kw.setdefault("lora_rank", 8)
-    args = vllm_engine_args.build(path, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
+    args = engine_args.build(path, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
     return VLLMRollout(args, adapter_transport=adapter_transport)
 
 
@@ -252,7 +252,7 @@ def merged_rollout(tiny_model_path: Path):
 
 def test_engine_kwargs_reach_vllm_and_lorarls_own_are_refused(merged_rollout):
     from lorarl.errors import ConfigError
-    from lorarl.rollout.vllm_engine_args import merged
+    from lorarl.rollout.vllm.engine_args import merged
 
     assert merged_rollout._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 4
     # A compilation_config mapping adds to lorarl's keys; the user's win where both set one.
@@ -383,7 +383,7 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
     directory loader does (0.32 names that variant get_rename_mapper, 0.26 get_unstacked_mapper)."""
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from lorarl.rollout.vllm_worker import lora_name_mapper
+    from lorarl.rollout.vllm.in_worker import lora_name_mapper
 
     full = WeightsMapper(
         orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")}

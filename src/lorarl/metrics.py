@@ -1,7 +1,7 @@
 """Every key a run writes to metrics.jsonl: its meaning, unit and the side that computes it.
 
 METRICS is the one list, and the code logs from it: each entry is a named constant here
-(`ACTOR_PG_LOSS`), the reports that turn a step's results into logged keys (lorarl.messages) and
+(`ACTOR_PG_LOSS`), the reports that turn a step's results into logged keys (lorarl.contract.messages) and
 the PPO update (lorarl.algorithms.ppo) take their keys from those constants, and a key built at
 run time (a loss's own actor/* names, the rollout correction's) passes `checked`, so a key this
 list lacks cannot be logged. docs/metrics.md is generated from it (`python -m lorarl.metrics >

@@ -16,12 +16,20 @@ import torch
 from lorarl import metrics as keys
 from lorarl.algorithms import losses
 from lorarl.algorithms import rollout_correction as rcorr
-from lorarl.algorithms.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
 from lorarl.config.algorithm import RolloutCorrectionConfig
 from lorarl.config.schema import ActorConfig
-from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn
+from lorarl.contract.engine import (
+    LOSS_KEY,
+    Engine,
+    EntropyMode,
+    LossFn,
+    TrainBatch,
+    padded_tokens,
+    padding_frac,
+    plan_micro_batches,
+)
+from lorarl.contract.messages import PPOStats, Sampling, reduce_metrics
 from lorarl.errors import TrainingError
-from lorarl.messages import PPOStats, Sampling, reduce_metrics
 
 
 def is_on_policy(actor: ActorConfig, train_batch_size: int) -> bool:
@@ -103,7 +111,7 @@ def ppo_update(
             sums.setdefault(keys.ACTOR_PADDING_FRAC.key, []).append(padding_frac(micro))
             sums.setdefault(keys.ACTOR_GRAD_NORM.key, []).append(engine.optimizer_step(step))
             sums.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
-            # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
+            # What the update's measured memory peak is scaled from (lorarl.rollout.memory.plan_from_peak).
             sums.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
     result = reduce_metrics(sums)
     result.update(before)

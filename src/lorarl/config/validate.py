@@ -17,7 +17,7 @@ from lorarl.config.backends import MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
 from lorarl.config.schema import SEND_FAULTS
 from lorarl.errors import ConfigError, check
-from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
+from lorarl.rollout.vllm.engine_args import check_not_set_by_lorarl
 
 
 def check_known_keys(config: Any) -> None:
@@ -28,7 +28,7 @@ def check_known_keys(config: Any) -> None:
     attribute of the typed object that nothing reads: a misspelt key would be silently ignored.
     Every dataclass-typed group is closed. A field typed as a dict is a pass-through map whose keys
     are another program's and stay open: rollout.engine_kwargs (vLLM's engine arguments, checked
-    against the installed vLLM by lorarl.preflight) and backend.override_transformer_config
+    against the installed vLLM by lorarl.driver.preflight) and backend.override_transformer_config
     (Megatron's TransformerConfig fields).
     """
     children: dict[str, list[str]] = {}
@@ -116,7 +116,7 @@ def validate(run: RunConfig) -> None:
 
 def check_placement(run: RunConfig) -> None:
     """trainer.placement=split: training workers and vLLM workers on devices of their own, the
-    adapter sent through Ray (lorarl.split.group). What it cannot do soundly is refused by key."""
+    adapter sent through Ray (lorarl.workers.split_group). What it cannot do soundly is refused by key."""
     t, r = run.trainer, run.rollout
     if t.placement != "split":
         check(

@@ -1,5 +1,5 @@
 """One copy of the frozen base per replica: the training model's base parameters are views of
-the colocated vLLM engine's weight tensors (lorarl.rollout.vllm_base_views), the LoRA parameters
+the colocated vLLM engine's weight tensors (lorarl.rollout.vllm.base_views), the LoRA parameters
 the trainer's own.
 
 `plan_base` decides (backend.share_base: auto | true | false) and says why; `model_on_views`
@@ -7,7 +7,7 @@ builds the HF model with no weights of its own and binds the views. With the bas
 trainer never loads it, never shards it (FSDP manages the LoRA parameters only, so no base
 all-gather; lorarl.engines.fsdp_shard) and never sends it (no base payload: the engine loaded
 it from disk, lorarl.sync.session refuses one); vLLM's sleep may release only its KV cache
-(lorarl.rollout.vllm).
+(lorarl.rollout.vllm.engine).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def layout_bytes(run, config) -> LayoutBytes:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorarl.peft_io import peft_lora_config
+    from lorarl.files.peft_io import peft_lora_config
 
     m = run.model
     weight_bytes = sum(f.stat().st_size for f in Path(m.path).glob("*.safetensors"))
@@ -182,7 +182,7 @@ def plan_for_run(run, device_type: str, config=None) -> BasePlan:
     """plan_base with what the driver knows before any worker starts: the device type, the dtype
     vLLM will hold the base in, and whether the checkpoint has routed experts (from `config`, its
     transformers config, read when not given)."""
-    from lorarl.rollout.vllm_dtype import engine_dtype
+    from lorarl.rollout.vllm.dtype import engine_dtype
 
     m, r = run.model, run.rollout
     if m.lora.merge or not hasattr(run.backend, "share_base"):

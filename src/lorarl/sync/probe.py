@@ -129,7 +129,7 @@ def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
 def trainer_logprobs(engine, sequences: list[list[int]]) -> tuple[Tensor, Tensor]:
     """The probe's trainer side: (adapter on, adapter off) log-probs of every probe token after
     the first, flat, on the host. Collective over the engine's ranks."""
-    from lorarl.algorithms.batch import build_batch
+    from lorarl.contract.engine import build_batch
 
     batch = build_batch([s[:1] for s in sequences], [s[1:] for s in sequences], 0)
     mask = batch.response_mask.bool()

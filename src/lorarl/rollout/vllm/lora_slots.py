@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.rollout.vllm_worker import _lora_adapters
+from lorarl.rollout.vllm.in_worker import _lora_adapters
 from lorarl.sync.fingerprint import fingerprint_rows
 from lorarl.sync.semantic import PROJECTIONS, STACK_BYTES, slot_projections
 from lorarl.sync.transport import HeldSlots

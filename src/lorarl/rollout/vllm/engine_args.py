@@ -5,10 +5,10 @@ takes); lorarl sets a few from its own keys and passes any others as given, as v
 `rollout.engine_kwargs.vllm` does: the scheduler's `max_num_seqs` and `max_num_batched_tokens`,
 `async_scheduling`, `compilation_config` (CUDA-graph sizes and mode), ... A key lorarl sets is
 refused, naming the key that sets it (two spellings of one setting could disagree). Other names
-are checked against the installed vLLM before anything starts (lorarl.preflight).
+are checked against the installed vLLM before anything starts (lorarl.driver.preflight).
 
 The one place a rollout engine's arguments are assembled: `build` (on the driver, by
-lorarl.prepare; directly in tests and benchmarks) returns the LLMArgs that lorarl.rollout.vllm's
+lorarl.driver.prepare; directly in tests and benchmarks) returns the LLMArgs that lorarl.rollout.vllm.engine's
 VLLMRollout starts its engine with. This module imports nothing of vLLM, so the driver can use it.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from lorarl.config.schema import vllm_lora_rank
 from lorarl.errors import ConfigError
-from lorarl.rollout.vllm_dtype import engine_dtype
+from lorarl.rollout.vllm.dtype import engine_dtype
 
 # Tiny models need little KV cache; several engines may share a 24 GiB host.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
@@ -185,7 +185,7 @@ def build(
 ) -> LLMArgs:
     """A rollout engine's arguments. `on_cpu`: vLLM's CPU build serves it (the KV cache is then
     sized in bytes, DEFAULT_CPU_KV_CACHE_BYTES unless given, and a float32 checkpoint may keep
-    its dtype with LoRA); `dtype` "auto" means the checkpoint's (lorarl.rollout.vllm_dtype)."""
+    its dtype with LoRA); `dtype` "auto" means the checkpoint's (lorarl.rollout.vllm.dtype)."""
     max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
     kwargs = llm_kwargs(
         model_path,

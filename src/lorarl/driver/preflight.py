@@ -22,7 +22,7 @@ from lorarl.config.run import RunConfig
 from lorarl.config.schema import VLLM_LORA_UNSUPPORTED, cache_dir
 from lorarl.engines import backend_of
 from lorarl.errors import ModelError, first_line
-from lorarl.rollout.vllm_engine_args import check_known
+from lorarl.rollout.vllm.engine_args import check_known
 
 # A hub id is "name" or "org/name"; anything else that does not exist is a mistyped local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

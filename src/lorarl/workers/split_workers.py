@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from lorarl.algorithms.ppo import Correction
-from lorarl.messages import Rendezvous, RolloutSetup, SyncReport, SyncRequest, WorkerSetup
-from lorarl.specs import WorkerSpec
-from lorarl.stall_report import stacks_file
+from lorarl.contract.messages import Rendezvous, RolloutSetup, SyncReport, SyncRequest, WorkerSetup
+from lorarl.contract.specs import WorkerSpec
 from lorarl.sync.split import SyncBundle, SyncReceiver, SyncSender, TrainerProbe
-from lorarl.worker import Worker, make_engine, watched
+from lorarl.workers.stall_report import stacks_file
+from lorarl.workers.worker import Worker, make_engine, watched
 
 AWAKE_PLAN = "rollout: vLLM has devices of its own and stays awake (trainer.placement=split)"
 
@@ -88,7 +88,7 @@ class RolloutWorker(Worker):
 
     @watched
     def setup(self, rendezvous: Rendezvous) -> RolloutSetup:
-        from lorarl.rollout.vllm import VLLMRollout
+        from lorarl.rollout.vllm.engine import VLLMRollout
 
         self._join_group(rendezvous)
         spec = self.spec

@@ -8,7 +8,7 @@
 With trainer.off_policy_steps=1 the next step's batch is generated while the update runs, by
 the adapter before it (docs/algorithms.md, "One step off-policy"): update || generate -> sync.
 With trainer.placement=split the generation runs on rollout workers of their own and the update on
-the training workers (lorarl.split.group), behind the same calls.
+the training workers (lorarl.workers.split_group), behind the same calls.
 
 Prompts are split contiguously over workers, so the n samples of a prompt, and therefore
 its GRPO group, stay on one worker.
@@ -27,11 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lorarl import metrics as keys
 from lorarl.algorithms import advantages
-from lorarl.checkpoint import read_trainer_state, write_trainer_state
 from lorarl.config.compose import to_run_config
 from lorarl.config.run import RunConfig, steps_for
-from lorarl.errors import LorarlError
-from lorarl.messages import (
+from lorarl.contract.messages import (
     GenerateRequest,
     Rollouts,
     Sampling,
@@ -40,8 +38,10 @@ from lorarl.messages import (
     UpdateRequest,
     reduce_metrics,
 )
-from lorarl.off_policy import Ahead, BatchAhead, overlap_plan, staleness
-from lorarl.tracking import Tracker, console, redact
+from lorarl.driver.off_policy import Ahead, BatchAhead, overlap_plan, staleness
+from lorarl.errors import LorarlError
+from lorarl.files.checkpoint import read_trainer_state, write_trainer_state
+from lorarl.telemetry.tracking import Tracker, console, redact
 
 # Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
 # time, so validation numbers of two steps differ only by the weights.
@@ -94,13 +94,13 @@ def startup_lines(first_sync: SyncReport, startup: dict[str, float]) -> list[str
 
 class GRPOTrainer:
     def __init__(self, run: RunConfig, out_dir: Path):
-        from lorarl.prepare import prepare
+        from lorarl.driver.prepare import prepare
 
         self.run = run
         self.out_dir = Path(out_dir)
         self.workers = None
         self.tracker = None
-        # Every check the driver can make, before Ray starts (lorarl.prepare); bad input fails here.
+        # Every check the driver can make, before Ray starts (lorarl.driver.prepare); bad input fails here.
         prepared = prepare(run, self.out_dir)
         self.device = prepared.device
         self.worker_spec = prepared.worker_spec
@@ -126,8 +126,8 @@ class GRPOTrainer:
     def fit(self) -> float | None:
         from tqdm.auto import tqdm
 
-        from lorarl.split.group import SplitWorkerGroup
-        from lorarl.worker_group import WorkerGroup
+        from lorarl.workers.group import WorkerGroup
+        from lorarl.workers.split_group import SplitWorkerGroup
 
         tc = self.run.trainer
         say = console(tqdm.write)
@@ -212,7 +212,7 @@ class GRPOTrainer:
         self.workers.export_adapter(str(final))
         say(f"final adapter: {final}")
         if "jsonl" in tc.logger:
-            from lorarl.plot import plot
+            from lorarl.telemetry.plot import plot
 
             self.tracker.finish()
             plots = plot(self.out_dir)
@@ -423,8 +423,8 @@ class GRPOTrainer:
         return float(fn(text, item.ground_truth, {**item.extra_info, RESPONSE_IDS: list(response_ids)}))
 
     def validate(self) -> dict:
-        """Generate on data.val_files with rollout.val_kwargs; lorarl.evaluation turns the texts into metrics."""
-        from lorarl.evaluation import validation_metrics
+        """Generate on data.val_files with rollout.val_kwargs; lorarl.driver.evaluation turns the texts into metrics."""
+        from lorarl.driver.evaluation import validation_metrics
 
         vk, d = self.run.rollout.val_kwargs, self.run.data
         temperature = vk.temperature if vk.do_sample else 0.0

@@ -1,4 +1,4 @@
-"""What crosses the Ray boundary between the driver (lorarl.trainer) and the workers.
+"""What crosses the Ray boundary between the driver (lorarl.driver.trainer) and the workers.
 
 One dataclass per call, so the driver's fields and the worker's reads are checked by name, not
 by position. A request carries the values the worker and its engine need (temperature, n,
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from lorarl import metrics as keys
 
 if TYPE_CHECKING:
-    from lorarl.sync.payload import SyncStats
+    from lorarl.contract.payload import SyncStats
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.rollout import vllm_lora_slots, vllm_weights, vllm_worker
-from lorarl.rollout.vllm_names import FUSED_ORDER, served_name
+from lorarl.rollout.vllm import in_worker, lora_slots, weights
+from lorarl.rollout.vllm.names import FUSED_ORDER, served_name
 from lorarl.sync.fingerprint import Fingerprint, combine, resolve
 from lorarl.sync.transport import AdapterLayout, HeldSlots
 
@@ -31,7 +31,7 @@ class FingerprintReads:
 
     def held_weight_fingerprints(self, numels: dict[str, int]) -> dict[str, tuple | None]:
         """(fingerprint, dtype) of the parameters vLLM serves (None where it keeps them unreadable)."""
-        return self.run_in_worker(vllm_worker.weight_fingerprints, numels)
+        return self.run_in_worker(in_worker.weight_fingerprints, numels)
 
     def sent_numels(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -44,14 +44,14 @@ class FingerprintReads:
         if not self.lora_enabled:
             raise SyncError("adapter_layout asked of a rollout without LoRA (merged mode)")
         if self._layout is None:
-            self._layout = self.run_in_worker(vllm_worker.adapter_layout)
+            self._layout = self.run_in_worker(in_worker.adapter_layout)
         return self._layout
 
     def held_adapter_sums(self) -> HeldSlots:
         """Fingerprint sums of the LoRA stacks vLLM computes with, one row per module part."""
         if not self.has_adapter:
             raise SyncError("the rollout holds no adapter to fingerprint; sync one first")
-        return self.run_in_worker(vllm_lora_slots.adapter_slot_sums, ADAPTER_ID)
+        return self.run_in_worker(lora_slots.adapter_slot_sums, ADAPTER_ID)
 
     def lora_projections(self, wanted: dict[str, tuple[int, int, int]]) -> tuple[Tensor, Tensor, list[str]]:
         """The semantic check's observed side, whole: per wanted vLLM slot name (-> row, full out,
@@ -61,7 +61,7 @@ class FingerprintReads:
         if not self.has_adapter:
             raise SyncError("the rollout holds no adapter to check; sync one first")
         values, share, stray = self.run_in_worker(
-            vllm_lora_slots.lora_projections, ADAPTER_ID, wanted, (self.tp_rank, self.tp_size)
+            lora_slots.lora_projections, ADAPTER_ID, wanted, (self.tp_rank, self.tp_size)
         )
         if self.tp_size > 1:
             import torch.distributed as dist
@@ -77,9 +77,7 @@ class FingerprintReads:
         full in), u^T W v of the weight vLLM serves, the share of the module held, and the unit
         roundoff the reading adds. With tensor parallelism the ranks of this engine add up their
         slices (collective over them)."""
-        values, share, roundoff = self.run_in_worker(
-            vllm_weights.weight_projections, wanted, (self.tp_rank, self.tp_size)
-        )
+        values, share, roundoff = self.run_in_worker(weights.weight_projections, wanted, (self.tp_rank, self.tp_size))
         if self.tp_size > 1:
             import torch
             import torch.distributed as dist

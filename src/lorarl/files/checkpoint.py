@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from lorarl.errors import LorarlError
-from lorarl.jsonio import read_json, write_json
+from lorarl.files.jsonio import read_json, write_json
 
-# A step folder's adapter is a PEFT folder; its reader and writer live in lorarl.peft_io.
-from lorarl.peft_io import load_peft_adapter, save_peft_adapter
+# A step folder's adapter is a PEFT folder; its reader and writer live in lorarl.files.peft_io.
+from lorarl.files.peft_io import load_peft_adapter, save_peft_adapter
 
 ADAPTER_DIR = "adapter"
 STEP_RE = re.compile(r"^global_step_(\d+)$")
@@ -140,7 +140,7 @@ def resolve_resume(mode: str, manager: CheckpointManager) -> Path | None:
 
 def save_engine_state(engine, directory: str | os.PathLike, rank: int) -> None:
     """Rank 0 writes the adapter (PEFT folder) and the optimizer with its LR schedule; every rank
-    its torch RNG. `engine` is a lorarl.engines.base.Engine."""
+    its torch RNG. `engine` is a lorarl.contract.engine.Engine."""
     from safetensors.torch import save_file
 
     out = Path(directory)

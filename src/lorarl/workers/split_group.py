@@ -1,5 +1,5 @@
 """trainer.placement=split on the driver: training workers and rollout workers as separate Ray
-actors on devices of their own (lorarl.split.workers), behind WorkerGroup's interface.
+actors on devices of their own (lorarl.workers.split_workers), behind WorkerGroup's interface.
 
 The trainer's n_gpus_per_node ranks form one process group (FSDP over them); each of the
 rollout.n_workers rollout workers is a process group of its own holding one vLLM engine. A
@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 
 from lorarl.config.run import RunConfig
+from lorarl.contract.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
+from lorarl.contract.specs import WorkerSpec
 from lorarl.errors import ConfigError
-from lorarl.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
-from lorarl.specs import WorkerSpec
-from lorarl.split.workers import AWAKE_PLAN, RolloutWorker, TrainerWorker
-from lorarl.worker import worker_env
-from lorarl.worker_group import WorkerGroup, _bundle_cpus, describe_placement
+from lorarl.workers.group import WorkerGroup, _bundle_cpus, describe_placement
+from lorarl.workers.split_workers import AWAKE_PLAN, RolloutWorker, TrainerWorker
+from lorarl.workers.worker import worker_env
 
 
 class SplitWorkerGroup(WorkerGroup):

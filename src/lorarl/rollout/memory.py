@@ -181,7 +181,7 @@ def plan_sleep(setting: bool | None, free_bytes: int = 0, need_bytes: int = 0) -
 def plan_from_peak(free_bytes: int, peak_bytes: int, tokens: int, max_tokens: int) -> SleepPlan:
     """The plan from an update that ran: `peak_bytes` it allocated beyond what was there before
     (log-prob passes included), with `tokens` padded positions in its largest micro-batch, scaled
-    to the largest micro-batch the run allows (`max_tokens`, lorarl.prepare.run_update_tokens). Activations and
+    to the largest micro-batch the run allows (`max_tokens`, lorarl.driver.prepare.run_update_tokens). Activations and
     logits grow with the tokens; what does not (the LoRA optimizer state) only adds to the
     scaled need, so the scaling errs towards sleeping."""
     largest = max(max_tokens, tokens)

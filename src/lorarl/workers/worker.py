@@ -1,10 +1,10 @@
 """One worker per device: a training engine and a vLLM rollout, colocated.
 
 The worker places itself (process group, the rollout, then the engine) and answers the driver's
-three calls per step (lorarl.messages): generate, update, sync. Each concern has its own module:
+three calls per step (lorarl.contract.messages): generate, update, sync. Each concern has its own module:
 whether the rollout sleeps during the update (lorarl.rollout.sleep), the weight sync and its
 checks (lorarl.sync.session), the PPO update (lorarl.algorithms.ppo), the checkpoint files
-(lorarl.checkpoint).
+(lorarl.files.checkpoint).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lorarl.algorithms.batch import build_batch
 from lorarl.algorithms.ppo import Correction, needs_old_logp, ppo_update
-from lorarl.checkpoint import load_engine_state, save_engine_state
-from lorarl.engines.base import Engine
-from lorarl.messages import (
+from lorarl.contract.engine import Engine, build_batch
+from lorarl.contract.messages import (
     GenerateRequest,
     Placement,
     Rendezvous,
@@ -36,12 +34,13 @@ from lorarl.messages import (
     UpdateRequest,
     WorkerSetup,
 )
-from lorarl.peft_io import save_peft_adapter
+from lorarl.contract.specs import EngineSpec, WorkerSpec
+from lorarl.files.checkpoint import load_engine_state, save_engine_state
+from lorarl.files.peft_io import save_peft_adapter
 from lorarl.rollout.sleep import RolloutSleep
-from lorarl.rollout.vllm_base_views import engine_base_views
-from lorarl.specs import EngineSpec, WorkerSpec
-from lorarl.stall_report import stacks_after, stacks_file
+from lorarl.rollout.vllm.base_views import engine_base_views
 from lorarl.sync.session import SyncSession
+from lorarl.workers.stall_report import stacks_after, stacks_file
 
 
 def seed_everything(seed: int) -> None:
@@ -52,7 +51,7 @@ def seed_everything(seed: int) -> None:
 
 def watched(method):
     """A worker call that writes this worker's Python stacks if it runs past
-    trainer.stall_report_s (lorarl.stall_report), and goes on."""
+    trainer.stall_report_s (lorarl.workers.stall_report), and goes on."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -73,7 +72,7 @@ class Worker:
         threads: int | None = None,
         run_dir: str | None = None,
     ):
-        """`spec`: all of the run's configuration this worker reads (lorarl.prepare builds it)."""
+        """`spec`: all of the run's configuration this worker reads (lorarl.driver.prepare builds it)."""
         self.spec = spec
         self.rank = rank
         self.stacks_path = stacks_file(Path(run_dir), rank) if run_dir is not None else None
@@ -116,7 +115,7 @@ class Worker:
     @watched
     def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, rollout, then engine."""
-        from lorarl.rollout.vllm import VLLMRollout
+        from lorarl.rollout.vllm.engine import VLLMRollout
 
         spec = self.spec
         self._join_group(rendezvous)
@@ -313,7 +312,7 @@ class Worker:
         self.adapter_version = request.step if request.version is None else request.version
         return report
 
-    # ---- checkpoints (the format: lorarl.checkpoint) ----------------------------------------
+    # ---- checkpoints (the format: lorarl.files.checkpoint) ----------------------------------------
 
     @watched
     def save_checkpoint(self, directory: str) -> None:
@@ -350,7 +349,7 @@ class Worker:
             self.rollout = None
         self.engine = None
         if dist.is_initialized():
-            from lorarl.rollout import engine_process
+            from lorarl.rollout.vllm import engine_process
 
             engine_process.release_distributed()
         if dist.is_initialized():

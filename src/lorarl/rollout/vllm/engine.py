@@ -23,16 +23,16 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lorarl.contract.messages import Rollouts
+from lorarl.contract.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.errors import ConfigError, SyncError, one_line
-from lorarl.messages import Rollouts
-from lorarl.peft_io import save_peft_adapter
-from lorarl.rollout import engine_process, vllm_base_views, vllm_lora_write, vllm_worker
-from lorarl.rollout.vllm_engine_args import LLMArgs
-from lorarl.rollout.vllm_fingerprints import ADAPTER_ID, FingerprintReads
-from lorarl.rollout.vllm_names import hf_parts, resolve_base_name
+from lorarl.files.peft_io import save_peft_adapter
+from lorarl.rollout.vllm import base_views, engine_process, in_worker, lora_write
+from lorarl.rollout.vllm.engine_args import LLMArgs
+from lorarl.rollout.vllm.fingerprints import ADAPTER_ID, FingerprintReads
+from lorarl.rollout.vllm.names import hf_parts, resolve_base_name
 from lorarl.sync.experts import is_moe_checkpoint, vllm_form
 from lorarl.sync.fingerprint import fingerprint_sums
-from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync.transport import AdapterLayout
 
 # One adapter slot, one fixed id, replaced in place on every sync: with a new id
@@ -54,7 +54,7 @@ class VLLMRollout(FingerprintReads):
         fingerprint_base: bool = False,
         share_weights: bool = False,
     ) -> None:
-        """`args`: the engine's arguments, assembled by lorarl.rollout.vllm_engine_args.build.
+        """`args`: the engine's arguments, assembled by lorarl.rollout.vllm.engine_args.build.
         `fingerprint_base`: record a fingerprint of every base tensor as it streams in, so
         `sent_weight_fingerprints` / `held_weight_fingerprints` can be compared after a base sync."""
         # The engine must live in this process: weights are pushed into its worker
@@ -102,7 +102,7 @@ class VLLMRollout(FingerprintReads):
         tensor_parallel_size = args.tensor_parallel_size
 
         engine_process.first_engine_in_process()
-        with engine_process.process_state_kept(), vllm_base_views.dense_linear_weights(share_weights):
+        with engine_process.process_state_kept(), base_views.dense_linear_weights(share_weights):
             self._llm = LLM(**args.kwargs)
         if self.lora_enabled and adapter_transport == "tmpfs":
             self._adapter_dir = engine_process.make_adapter_dir()
@@ -277,7 +277,7 @@ class VLLMRollout(FingerprintReads):
     def _apply_base(self, payload: WeightPayload) -> SyncStats:
         stats = SyncStats(PayloadKind.BASE)
 
-        cast = self.run_in_worker(vllm_worker.model_dtype) if self.fingerprint_base else None
+        cast = self.run_in_worker(in_worker.model_dtype) if self.fingerprint_base else None
         self._sent = {}
 
         def counted() -> Iterator[tuple[str, Tensor]]:
@@ -306,11 +306,11 @@ class VLLMRollout(FingerprintReads):
 
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": resolved()})
             if self._is_cpu:
-                self.run_in_worker(vllm_worker.prepack_cpu_experts)
+                self.run_in_worker(in_worker.prepack_cpu_experts)
         except Exception as exc:
             # Close vLLM's half-done reload so the next base payload starts clean (without
             # this, a second failed sync in a row wedged every later reload).
-            self.run_in_worker(vllm_worker.finish_interrupted_reload)
+            self.run_in_worker(in_worker.finish_interrupted_reload)
             if isinstance(exc, SyncError):
                 raise
             raise SyncError(f"vLLM could not load the base payload: {one_line(exc)}") from exc
@@ -328,7 +328,7 @@ class VLLMRollout(FingerprintReads):
         """Parameter names that need `.base_layer` spelled out (empty where the engine's
         LoRA wrappers load plain HF names themselves), read once from the live model."""
         if self._param_names is None:
-            self._param_names = frozenset(self.run_in_worker(vllm_worker.wrapped_param_names))
+            self._param_names = frozenset(self.run_in_worker(in_worker.wrapped_param_names))
         return self._param_names
 
     def _check_base_complete(self, sent: list[str]) -> None:
@@ -336,7 +336,7 @@ class VLLMRollout(FingerprintReads):
         load) whatever a base payload leaves out is garbage, and vLLM does not say so. Names
         vLLM has no parameter for (a tied lm_head) are its loader's business."""
         if self._served_names is None:
-            served = self.run_in_worker(vllm_worker.param_names)
+            served = self.run_in_worker(in_worker.param_names)
             self._served_names = frozenset(part for name in served for part in hf_parts(name))
         missing = sorted(self._served_names - set(sent))
         if missing:
@@ -384,15 +384,15 @@ class VLLMRollout(FingerprintReads):
         return stats
 
     def _may_write_in_place(self) -> bool:
-        """Whether the kept adapter can go straight into vLLM's slots (lorarl.rollout.vllm_lora_write):
+        """Whether the kept adapter can go straight into vLLM's slots (lorarl.rollout.vllm.lora_write):
         memory transport, no tensor parallelism, the same structure in the slots, a checked writer."""
         if self._adapter is None or self.tp_size > 1 or not self.has_adapter:
             return False
-        if vllm_lora_write.structure(self._adapter[0].items(), *self._adapter[1:]) != self._slot_structure:
+        if lora_write.structure(self._adapter[0].items(), *self._adapter[1:]) != self._slot_structure:
             return False
         if self._writes_in_place is None:
             try:  # leaves random factors in the slots: the kept adapter is loaded next, either way
-                why = vllm_lora_write.verify_writer(self, *self._adapter)
+                why = lora_write.verify_writer(self, *self._adapter)
             except Exception as exc:
                 why = one_line(exc)
             self._writes_in_place = why is None
@@ -402,13 +402,13 @@ class VLLMRollout(FingerprintReads):
 
     def load_through_vllm(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
         """vLLM's own adapter loader, from tensors in memory (PEFT's expert stacks split per expert)."""
-        self._slot_structure = vllm_lora_write.structure(tensors.items(), config, experts)
-        self.run_in_worker(vllm_worker.add_adapter_from_tensors, ADAPTER_ID, *vllm_form(tensors, config, experts))
+        self._slot_structure = lora_write.structure(tensors.items(), config, experts)
+        self.run_in_worker(in_worker.add_adapter_from_tensors, ADAPTER_ID, *vllm_form(tensors, config, experts))
 
     def write_in_place(self, tensors: dict[str, Tensor], config: dict, experts: dict) -> None:
-        """The adapter written into the slots the last load filled (lorarl.rollout.vllm_lora_write)."""
-        sources = vllm_lora_write.slot_sources(tensors.items(), config, experts, self.adapter_layout())
-        self.run_in_worker(vllm_lora_write.write_lora_slots, ADAPTER_ID, sources)
+        """The adapter written into the slots the last load filled (lorarl.rollout.vllm.lora_write)."""
+        sources = lora_write.slot_sources(tensors.items(), config, experts, self.adapter_layout())
+        self.run_in_worker(lora_write.write_lora_slots, ADAPTER_ID, sources)
 
     def _load_adapter(self, in_place: bool = False) -> float:
         """Put the current adapter into the engine under ADAPTER_ID, replacing any old one.
@@ -454,7 +454,7 @@ class VLLMRollout(FingerprintReads):
         if not self.enable_sleep_mode:
             raise ConfigError("rollout.enable_sleep_mode is false; this engine cannot sleep")
         if self.base_shared:  # the trainer computes with these weights while the engine sleeps
-            return self._asleep.update(vllm_base_views.release_kv_cache(self.llm))
+            return self._asleep.update(base_views.release_kv_cache(self.llm))
         level = self.sleep_level if level is None else level
         if level not in (1, 2):
             raise ConfigError(f"sleep level {level} is not 1 or 2")
@@ -479,7 +479,7 @@ class VLLMRollout(FingerprintReads):
         rewrites them when a batch's LoRA mapping differs from the last one: the same probe
         sequence after a level-2 sleep then ran with garbage indices (H200, vLLM 0.26: log-prob
         off by 0.3-2.6 while every weight was right)."""
-        self.run_in_worker(vllm_worker.forget_lora_mapping)
+        self.run_in_worker(in_worker.forget_lora_mapping)
 
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:

@@ -99,7 +99,7 @@ class WeightPayload:
 
 @dataclass
 class SyncStats:
-    """One payload's sync; a step's payloads sum into lorarl.messages.SyncReport. gather_s is
+    """One payload's sync; a step's payloads sum into lorarl.contract.messages.SyncReport. gather_s is
     the producer's share (trainer side)."""
 
     kind: PayloadKind

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from lorarl.rollout.vllm_worker import _served, vllm_worker
+from lorarl.rollout.vllm.in_worker import _served, vllm_worker
 
 # vLLM's fused-MoE stacks and the HF (transformers >= 5) names of the same tensors.
 EXPERT_STACKS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}

@@ -29,7 +29,7 @@ def checkpoint_dtype(model_path: str | os.PathLike, dtype: str) -> str:
     """
     if dtype != "auto":
         return dtype
-    from lorarl.jsonio import read_json_if_valid
+    from lorarl.files.jsonio import read_json_if_valid
 
     saved = read_json_if_valid(Path(model_path) / "config.json")
     if saved is None:

@@ -1,22 +1,35 @@
-"""Padded training tensors built from (prompt, response) token lists, and how they are cut
-into micro-batches.
+"""A training engine: the batch it computes on and the calls it answers.
 
-Each row is prompt + response. Position t of the `[B, L-1]` tensors is the log-prob of token
-t+1, so `response_mask` marks exactly the positions that predict a response token; prompts
-and padding never enter a loss. Prompts are right-aligned when `left_pad_prompts` is set
-(every response then starts in the same column, so an engine can compute logits for the
-response columns only), else every row is right-padded (what Megatron's causal-only
-attention needs). Everything downstream reads the masks, never the layout.
+The batch: padded training tensors built from (prompt, response) token lists, and how they are
+cut into micro-batches. Each row is prompt + response. Position t of the `[B, L-1]` tensors is
+the log-prob of token t+1, so `response_mask` marks exactly the positions that predict a
+response token; prompts and padding never enter a loss. Prompts are right-aligned when
+`left_pad_prompts` is set (every response then starts in the same column, so an engine can
+compute logits for the response columns only), else every row is right-padded (what
+Megatron's causal-only attention needs). Everything downstream reads the masks, never the layout.
+
+The Engine protocol, which both training engines implement (lorarl.engines): an engine owns a
+sharded (FSDP2) or model-parallel (Megatron) policy with LoRA: it runs forward passes, applies
+optimizer steps and exports weights. What a step computes (mini-batches, micro-batches, the
+PPO-clip loss, KL and entropy terms, metrics) lives once in lorarl.algorithms.ppo, which the
+worker calls with the engine; an engine contributes only how to run its forward/backward over a
+list of micro-batches. Every method of an engine is collective: all ranks of the job call it in
+the same order, each with its own data-parallel share (ranks of one tensor/pipeline group pass
+the same).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from lorarl.config.schema import ActorConfig
+from lorarl.contract.payload import PayloadKind, WeightPayload
+from lorarl.errors import TrainingError
 
 
 @dataclass
@@ -178,7 +191,7 @@ def split_to(groups: list[list[int]], count: int, lengths: list[int]) -> list[li
 def log_prob_token_budget(actor: ActorConfig) -> int:
     """Padded tokens per forward of a pass without backward: nothing is kept for autograd, so
     it holds a layer's transient activations and the logits, not every layer's activations. At
-    twice the update's budget its peak stays under what lorarl.memory counts for the update
+    twice the update's budget its peak stays under what lorarl.rollout.memory counts for the update
     (bf16 logits of 2x the tokens against the update's 3 logit-sized buffers, one layer's
     activations against all of them), so the sleep decision holds for it too. On one H200 the
     7B step's reference pass took 0.99 s at 8192 tokens, 1.33 s at 4096 a release before."""
@@ -198,3 +211,77 @@ def plan_micro_batches(engine, batch: TrainBatch, actor: ActorConfig, *, backwar
     row_sets = micro_batches(lengths, token_budget=budget)
     count = int(engine.dp_all_reduce([len(row_sets)], op="max")[0])
     return split_to(row_sets, count, lengths)
+
+
+# loss_fn(micro_batch, log_probs, entropy) -> (loss to backpropagate, metrics). The engine
+# passes the micro-batch as it ran it (on its device, possibly trimmed), so `log_probs`
+# [b, T] lines up with `micro_batch.response_mask`. Metrics are detached 0-dim tensors on the
+# device: an engine reads them (`read_metrics`) after its last micro-batch, so the host never
+# waits for the device between micro-batches and keeps queueing the next one's kernels.
+LossFn = Callable[[TrainBatch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# The micro-batch's loss, among its metrics: checked for NaN/inf once the values are read.
+LOSS_KEY = "loss"
+# grad: entropy is part of the loss; metric: computed without autograd; none: not computed.
+EntropyMode = Literal["grad", "metric", "none"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    dp_rank: int  # which data-parallel replica this rank belongs to
+    dp_size: int  # how many replicas split the data
+    pad_token_id: int
+    compute_dtype: torch.dtype  # dtype of the forward's matmuls (what the parity probe's bound reads)
+    left_pad_prompts: bool  # the batch layout it wants (lorarl.contract.engine.build_batch)
+
+    def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
+        """[B, L-1] float32 on CPU: log p(token t+1) at `temperature`; `reference=True` with the
+        adapter disabled. Micro-batches as lorarl.algorithms.ppo.plan_micro_batches cuts them for a pass
+        without backward."""
+
+    def forward_backward(
+        self, micro: list[TrainBatch], loss_fn: LossFn, entropy: EntropyMode, temperature: float
+    ) -> list[dict[str, float]]:
+        """Forward at `temperature`, loss_fn, backward for each micro-batch, gradients
+        accumulated; their metrics, read after the last micro-batch (`read_metrics`)."""
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip, step, zero the gradients; the grad norm. A non-finite norm raises TrainingError
+        and leaves the weights as they were."""
+
+    def end_step(self) -> float:
+        """Advance the learning-rate schedule by one trainer step; the learning rate used."""
+
+    def dp_all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Sum or max of `values` over data-parallel replicas."""
+
+    EXPORT_METHODS: tuple[str, ...]  # how this engine can gather an adapter; the first is its default
+
+    def export(
+        self, kind: PayloadKind, method: str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[WeightPayload, float]:
+        """The payload of `kind` and the seconds spent gathering it; every rank gets it whole.
+        `method` is one of EXPORT_METHODS (None: the first; base payloads ignore it), `dtype`
+        the dtype adapter tensors are cast to (None: as trained)."""
+
+    def adapter_config(self) -> dict: ...
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """Full LoRA tensors under PEFT names, on CPU."""
+
+    def load_state(self, lora: dict[str, torch.Tensor], optimizer: dict | None, scheduler: dict | None) -> None: ...
+
+    def optimizer_state(self) -> dict: ...
+
+    def scheduler_state(self) -> dict: ...
+
+
+def read_metrics(per_micro: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """The micro-batches' metric tensors as floats, after the last micro-batch is queued: the
+    first read waits for the device to finish, the rest are already there."""
+    return [{k: float(v) for k, v in m.items()} for m in per_micro]
+
+
+def check_grad_norm(grad_norm: float, step: int) -> float:
+    if not math.isfinite(grad_norm):
+        raise TrainingError(f"step {step}: grad norm is {grad_norm}; stopping before the update is applied")
+    return grad_norm

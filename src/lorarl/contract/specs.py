@@ -1,12 +1,12 @@
-"""What a worker is given: typed, frozen specs, built once on the driver by lorarl.prepare.
+"""What a worker is given: typed, frozen specs, built once on the driver by lorarl.driver.prepare.
 
 The run config (lorarl.config.run.RunConfig) stays on the driver; a worker receives a
 WorkerSpec and nothing else of the configuration. Each part goes to the one object that reads
 it: the training engine its EngineSpec, the vLLM rollout its engine arguments (already
-assembled, lorarl.rollout.vllm_engine_args), the rollout's sleep its SleepSpec, the weight sync
+assembled, lorarl.rollout.vllm.engine_args), the rollout's sleep its SleepSpec, the weight sync
 its SyncSpec. Every check that the driver can make has been made when a spec exists
-(lorarl.prepare); a worker checks only what needs its device in hand: whether vLLM's build can
-sleep (lorarl.rollout.vllm), CUDA for Megatron, the device memory the sleep plan measures.
+(lorarl.driver.prepare); a worker checks only what needs its device in hand: whether vLLM's build can
+sleep (lorarl.rollout.vllm.engine), CUDA for Megatron, the device memory the sleep plan measures.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lorarl.config.schema import ActorConfig, ModelConfig
 
 if TYPE_CHECKING:
     from lorarl.engines.shared_base import BasePlan
-    from lorarl.rollout.vllm_engine_args import LLMArgs
+    from lorarl.rollout.vllm.engine_args import LLMArgs
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EngineSpec:
     model: ModelConfig
     actor: ActorConfig
     backend: FSDPBackendConfig | MegatronBackendConfig
-    engine: str  # "module:Class" implementing lorarl.engines.base.Engine (lorarl.engines.BACKENDS)
+    engine: str  # "module:Class" implementing lorarl.contract.engine.Engine (lorarl.engines.BACKENDS)
     seed: int  # trainer.seed: Megatron's model-parallel RNG; FSDP's LoRA init draws from the worker's
     liger_kernel: bool  # FSDP only: Liger's kernels patched into the model
 
@@ -60,7 +60,7 @@ class SleepSpec:
     on a GPU (None there: not needed)."""
 
     free_cache_engine: bool | None  # rollout.free_cache_engine
-    update_bytes: int | None  # lorarl.memory's estimate of the update's peak
+    update_bytes: int | None  # lorarl.rollout.memory's estimate of the update's peak
     update_tokens: int | None  # padded tokens of the largest update micro-batch
 
 
@@ -90,4 +90,4 @@ class WorkerSpec:
     train_batch_size: int  # data.train_batch_size, in prompts: whether the update is on-policy
     off_policy_steps: int  # trainer.off_policy_steps: the batch may be that many adapter versions behind
     seed: int  # trainer.seed; each worker seeds its RNGs with seed + rank
-    stall_report_s: float | None  # trainer.stall_report_s (lorarl.stall_report)
+    stall_report_s: float | None  # trainer.stall_report_s (lorarl.workers.stall_report)

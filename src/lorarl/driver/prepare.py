@@ -2,15 +2,15 @@
 
 `prepare(run)` runs before Ray starts: the device, the model (built on first use for the
 embedded preset), the data files, the loggers, the model checks that read only its config
-(lorarl.preflight), rollout.engine_kwargs against the installed vLLM, the model's sizes against
+(lorarl.driver.preflight), rollout.engine_kwargs against the installed vLLM, the model's sizes against
 the parallel sizes (lorarl.config.validate.check_model_shape_of), the tokenizer, the prompts and
 whether each can be scored. Each failure is one line (a LorarlError). What it returns holds the
-WorkerSpec (lorarl.specs): the only part of the configuration a worker receives, with vLLM's
-engine arguments assembled here, once (lorarl.rollout.vllm_engine_args.build).
+WorkerSpec (lorarl.contract.specs): the only part of the configuration a worker receives, with vLLM's
+engine arguments assembled here, once (lorarl.rollout.vllm.engine_args.build).
 
 The checks of single keys and of several groups run earlier, when the config is made
 (lorarl.config.compose.to_run_config: the schemas' own checks, lorarl.config.validate). What only
-a worker can check, with its device in hand, stays there (lorarl.specs says which).
+a worker can check, with its device in hand, stays there (lorarl.contract.specs says which).
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from lorarl import memory
 from lorarl.config.run import RunConfig
 from lorarl.config.schema import cache_dir
 from lorarl.config.validate import check_model_shape_of
+from lorarl.contract.specs import EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
 from lorarl.engines import backend_of
 from lorarl.engines.liger import use_liger_kernel
 from lorarl.engines.shared_base import plan_for_run
 from lorarl.errors import ConfigError, DataError
-from lorarl.rollout import vllm_engine_args
+from lorarl.rollout import memory
 from lorarl.rollout.sleep import can_sleep
-from lorarl.specs import EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
+from lorarl.rollout.vllm import engine_args
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Prepared:
     val_items: list  # validation prompts (empty without validation)
     dropped_prompts: int  # training prompts longer than data.max_prompt_length
     worker_spec: WorkerSpec
-    checkpoints: Any  # lorarl.checkpoint.CheckpointManager of the run's checkpoint folder
+    checkpoints: Any  # lorarl.files.checkpoint.CheckpointManager of the run's checkpoint folder
     resume_from: Path | None  # the checkpoint this run resumes from (trainer.resume_mode)
     seconds: float  # how long the checks took (init/timing/prepare)
 
@@ -58,9 +58,9 @@ def prepare(run: RunConfig, out_dir: Path) -> Prepared:
     Expands paths in `run` (model.path, data files) in place. `out_dir`: the run's folder, which a
     relative trainer.default_local_dir is under."""
     from lorarl.data.batches import prompt_batches
-    from lorarl.preflight import check_engine_kwargs, check_model, load_tokenizer
+    from lorarl.driver.preflight import check_engine_kwargs, check_model, load_tokenizer
     from lorarl.rewards import check_items
-    from lorarl.tracking import check_loggers
+    from lorarl.telemetry.tracking import check_loggers
 
     t0 = time.perf_counter()
     device = resolve_device(run.trainer.device)
@@ -101,7 +101,7 @@ def prepare_checkpoints(run: RunConfig, out_dir: Path):
     """The run's CheckpointManager, with the partial saves a killed run left removed, and the
     checkpoint trainer.resume_mode names (None: a fresh start); a resume_mode that is not a
     complete checkpoint fails here, before anything loads."""
-    from lorarl.checkpoint import CheckpointManager, resolve_resume
+    from lorarl.files.checkpoint import CheckpointManager, resolve_resume
 
     root = Path(os.path.expanduser(run.trainer.default_local_dir))
     checkpoints = CheckpointManager(root if root.is_absolute() else Path(out_dir) / root, run.trainer.max_ckpt_to_keep)
@@ -217,11 +217,11 @@ def engine_spec(run: RunConfig, device: str) -> EngineSpec:
     )
 
 
-def rollout_args(run: RunConfig, device: str, engine: int) -> vllm_engine_args.LLMArgs:
+def rollout_args(run: RunConfig, device: str, engine: int) -> engine_args.LLMArgs:
     """The `vllm.LLM` arguments of rollout engine `engine` (its workers share them): lorarl's keys,
     then rollout.engine_kwargs."""
     r, m, d = run.rollout, run.model, run.data
-    return vllm_engine_args.build(
+    return engine_args.build(
         m.path,
         lora_rank=None if m.lora.merge else m.lora.rank,
         max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
@@ -274,7 +274,7 @@ def run_update_tokens(run: RunConfig, dp_size: int) -> int:
 def run_update_bytes(
     run: RunConfig, dims: memory.ModelDims, dp_size: int, model_parallel: int, shared_base: bool = False
 ) -> int:
-    """lorarl.memory.update_bytes for a run's largest micro-batch on one device (`run_update_tokens`).
+    """lorarl.rollout.memory.update_bytes for a run's largest micro-batch on one device (`run_update_tokens`).
     With `shared_base` FSDP manages only LoRA, so no gathered base weights are kept between passes."""
     d, b = run.data, run.backend
     seq = d.max_prompt_length + d.max_response_length

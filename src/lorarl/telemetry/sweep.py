@@ -13,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from lorarl.tracking import read_metrics
+from lorarl.telemetry.tracking import read_metrics
 
 COLUMNS = ["job", "overrides", "steps", "final_reward", "val_acc", "step_seconds", "sync_seconds"]
 
@@ -60,7 +60,7 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, Path]:
 
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from lorarl.plot import plot
+        from lorarl.telemetry.plot import plot
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.exists():

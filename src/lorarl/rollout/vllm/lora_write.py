@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.rollout.vllm_lora_slots import slot_groups
+from lorarl.rollout.vllm.lora_slots import slot_groups
 from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
 from lorarl.sync.transport import AdapterLayout
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lorarl.errors import SyncError
-from lorarl.rollout.vllm_worker import _cpu_prepacked_experts, _served, vllm_worker
+from lorarl.rollout.vllm.in_worker import _cpu_prepacked_experts, _served, vllm_worker
 from lorarl.sync.semantic import PROJECTIONS, signs, slice_offset, unit_roundoff
 
 Wanted = dict[str, tuple[int, int, int]]  # HF module path -> (row in the result, full out, full in)

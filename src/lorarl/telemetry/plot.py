@@ -1,7 +1,7 @@
 """PNG curves of a run (or of every job of a sweep) from metrics.jsonl.
 
-python -m lorarl.plot outputs/2026-11-30/12-00-00_fsdp_qwen2_tiny
-python -m lorarl.plot multirun/2026-11-30/12-00-00
+python -m lorarl.telemetry.plot outputs/2026-11-30/12-00-00_fsdp_qwen2_tiny
+python -m lorarl.telemetry.plot multirun/2026-11-30/12-00-00
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lorarl.tracking import read_metrics
+from lorarl.telemetry.tracking import read_metrics
 
 CURVES = {
     "reward": ("reward/mean", "mean reward, validation accuracy"),

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lorarl.contract.messages import Rollouts
 from lorarl.errors import TrainingError
-from lorarl.messages import Rollouts
 
 
 def staleness(step: int, version: int, bound: int) -> int:

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lorarl.config.run import RunConfig
-from lorarl.errors import ConfigError, LorarlError, TrainingError
-from lorarl.messages import (
+from lorarl.contract.messages import (
     GenerateRequest,
     Placement,
     Rollouts,
@@ -28,9 +27,10 @@ from lorarl.messages import (
     UpdateReport,
     UpdateRequest,
 )
-from lorarl.specs import WorkerSpec
-from lorarl.stall_report import STACKS_GLOB
-from lorarl.worker import Worker, worker_env
+from lorarl.contract.specs import WorkerSpec
+from lorarl.errors import ConfigError, LorarlError, TrainingError
+from lorarl.workers.stall_report import STACKS_GLOB
+from lorarl.workers.worker import Worker, worker_env
 
 # How long a placement that the cluster's alive nodes cannot hold is waited for on a cluster
 # this driver joined (nodes of a job may register after the driver starts).
@@ -106,9 +106,9 @@ class WorkerGroup:
         say: Callable[[str], None] = print,
     ):
         """`run` for the placement (trainer.nnodes, n_gpus_per_node, rollout's tensor parallel
-        size); `spec` is what each worker is given (lorarl.prepare). `run_dir`: where a worker's traceback goes when it fails with an unexpected error, and
+        size); `spec` is what each worker is given (lorarl.driver.prepare). `run_dir`: where a worker's traceback goes when it fails with an unexpected error, and
         each worker's Python stacks when a call runs past trainer.stall_report_s
-        (lorarl.stall_report); `say` shows the driver's line about the latter."""
+        (lorarl.workers.stall_report); `say` shows the driver's line about the latter."""
         import ray
 
         self.run_dir = run_dir
@@ -323,7 +323,7 @@ class WorkerGroup:
 
     def _report_stall(self, what: str) -> None:
         """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
-        that moment (lorarl.worker's watched calls) and go on; so does this wait."""
+        that moment (lorarl.workers.worker's watched calls) and go on; so does this wait."""
         where = f"{self.run_dir}/{STACKS_GLOB}" if self.run_dir is not None else "not written (no run folder)"
         self.say(
             f"the workers' {what} is still running after trainer.stall_report_s={self.stall_s:g} s; "
@@ -382,6 +382,6 @@ class WorkerGroup:
         if self._owns_ray:
             ray.shutdown()
         # Killed workers could not remove their tmpfs adapter folders.
-        from lorarl.rollout.engine_process import remove_stale_adapter_dirs
+        from lorarl.rollout.vllm.engine_process import remove_stale_adapter_dirs
 
         remove_stale_adapter_dirs()
