@@ -231,7 +231,7 @@ def compose_run(*overrides: str):
     ],
 )
 def test_auto_falls_back_and_true_is_a_config_error(overrides, why):
-    from lorarl.engines.shared_base import plan_base
+    from lorarl.driver.base_plan import plan_base
 
     plan = plan_base(compose_run(*overrides))
     assert not plan.shared and why in str(plan) and "two copies" in str(plan)
@@ -240,7 +240,7 @@ def test_auto_falls_back_and_true_is_a_config_error(overrides, why):
 
 
 def test_runtime_reasons_dtype_and_moe_on_cpu():
-    from lorarl.engines.shared_base import plan_base
+    from lorarl.driver.base_plan import plan_base
 
     run = compose_run()
     assert plan_base(run, "cpu", "float32", False).shared
@@ -316,7 +316,7 @@ def test_base_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_p
     shares on a GPU, since vLLM then serves it in bfloat16; a MoE config on CPU does not."""
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    from lorarl.engines.shared_base import plan_for_run
+    from lorarl.driver.base_plan import plan_for_run
 
     cpu, cuda = "cpu", "cuda"
     assert plan_for_run(compose_run(f"model.path={tiny_model_path}"), cpu).shared
@@ -337,7 +337,7 @@ def test_data_parallel_plan_says_what_each_layout_needs_per_gpu(tiny_model_path)
     each of the seven projections of every layer) and the bytes against the checkpoint's files."""
     from transformers import AutoConfig
 
-    from lorarl.engines.shared_base import LayoutBytes, layout_bytes, plan_for_run
+    from lorarl.driver.base_plan import LayoutBytes, layout_bytes, plan_for_run
 
     run = compose_run(f"model.path={tiny_model_path}", "trainer.n_gpus_per_node=2")
     c = AutoConfig.from_pretrained(tiny_model_path)

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from lorarl.config.compose import compose
+from lorarl.driver.base_plan import plan_base
 from lorarl.driver.prepare import rollout_engines
-from lorarl.engines.shared_base import plan_base
 from lorarl.errors import ConfigError
 
 SPLIT = "trainer.placement=split"

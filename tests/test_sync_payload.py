@@ -234,7 +234,7 @@ def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
 def test_expert_stacks_hold_every_expert_at_the_adapters_rank():
     """An expert stack (PEFT's ParamWrapper factors) holds r rows per expert; the payload names its
     stacks, and a stack of the wrong height or one the tensors lack is refused by name."""
-    from lorarl.sync.experts import ExpertWrapper
+    from lorarl.contract.payload import ExpertWrapper
 
     stem = "base_model.model.model.layers.0.mlp.experts.base_layer"
     stacks = {stem: ExpertWrapper(stem, "gate_up_proj", 4)}

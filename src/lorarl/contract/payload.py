@@ -14,18 +14,24 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from lorarl.errors import SyncError
 
-if TYPE_CHECKING:
-    from lorarl.sync.experts import ExpertWrapper
-
 # PEFT's saved form (get_peft_model_state_dict): adapter name removed, prefix kept.
 _ADAPTER_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _REQUIRED_ADAPTER_KEYS = ("r", "lora_alpha", "target_modules")
+
+
+@dataclass(frozen=True)
+class ExpertWrapper:
+    """One PEFT ParamWrapper over a stacked expert parameter (lorarl.sync.experts finds them in a
+    model): what an adapter payload's routed experts are named by."""
+
+    module: str  # PEFT module name as saved, e.g. base_model.model.model.layers.0.mlp.experts.base_layer
+    parameter: str  # gate_up_proj | down_proj
+    num_experts: int
 
 
 class PayloadKind(str, Enum):

@@ -12,16 +12,12 @@ sleep (lorarl.rollout.vllm.engine), CUDA for Megatron, the device memory the sle
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import Any
 
 from lorarl.config.algorithm import RolloutCorrectionConfig
 from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
 from lorarl.config.schema import ActorConfig, ModelConfig
-
-if TYPE_CHECKING:
-    from lorarl.engines.shared_base import BasePlan
-    from lorarl.rollout.vllm.engine_args import LLMArgs
 
 
 @dataclass(frozen=True)
@@ -39,6 +35,63 @@ class EngineSpec:
     def engine_class(self) -> type:
         module, name = self.engine.split(":")
         return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class LLMArgs:
+    """One vLLM engine's arguments, assembled once on the driver (lorarl.rollout.vllm.engine_args.build).
+
+    Every field but the last two is the `vllm.LLM` argument of that name as lorarl sets it from
+    its keys (lorarl.config.validate.SET_BY_LORARL names the key behind each); `lora_rank` is the
+    adapter's own rank and `engine_kwargs` the user's other arguments (rollout.engine_kwargs).
+    `kwargs` is what `vllm.LLM` takes."""
+
+    model: str  # model.path
+    dtype: str  # resolved: the checkpoint's where rollout.dtype=auto
+    seed: int
+    max_model_len: int
+    tensor_parallel_size: int
+    enable_expert_parallel: bool
+    load_format: str
+    enforce_eager: bool
+    enable_sleep_mode: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None  # on CPU, in place of gpu_memory_utilization (None: not passed)
+    trust_remote_code: bool
+    max_lora_rank: int | None  # the smallest rank vLLM serves that holds lora_rank (None: no LoRA)
+    lora_rank: int | None
+    engine_kwargs: dict[str, Any]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The `vllm.LLM` keyword arguments: the fields above, the ones lorarl fixes, then the user's."""
+        # An argument left unset (None: no LoRA, no KV cache size in bytes) is not passed: vLLM's default.
+        not_vllms = ("lora_rank", "engine_kwargs")
+        ours = {f.name: v for f in fields(self) if f.name not in not_vllms and (v := getattr(self, f.name)) is not None}
+        # Tensor parallel engines are one per process over the caller's process group.
+        ours["distributed_executor_backend"] = "external_launcher" if self.tensor_parallel_size > 1 else None
+        # Sampled-token log-probs after temperature, as the trainer computes them (the
+        # rollout-mismatch metrics and correction compare the two).
+        ours["logprobs_mode"] = "processed_logprobs"
+        if self.max_lora_rank is not None:
+            ours.update(enable_lora=True, max_loras=1)
+            # Every request carries the synced adapter (lora_request), so CUDA graphs for a batch
+            # without one would never run: vLLM's V1 model runner then captures only the LoRA
+            # ones. Its V2 runner (0.26's on the H200) captures both cases either way (102 graphs
+            # per mode there: 51 sizes x [no adapter, adapter]).
+            ours["compilation_config"] = {"cudagraph_specialize_lora": False}
+        return merged(ours, self.engine_kwargs)
+
+
+def merged(lorarl_kwargs: dict[str, Any], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` kwargs: lorarl's, then the user's (which name none of lorarl's:
+    lorarl.config.validate.check_not_set_by_lorarl). A `compilation_config` mapping is merged key
+    by key (lorarl sets one of its keys when LoRA is on), the user's keys winning."""
+    out = {**lorarl_kwargs, **engine_kwargs}
+    ours, theirs = lorarl_kwargs.get("compilation_config"), engine_kwargs.get("compilation_config")
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out["compilation_config"] = {**ours, **theirs}
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,6 +128,20 @@ class SyncSpec:
     tolerance: float | None  # trainer.check_sync_tolerance
     probe_freq: int  # trainer.check_sync_probe_freq
     fault: str | None  # trainer.sync_fault: a deliberate export fault (lorarl.sync.faults)
+
+
+@dataclass(frozen=True)
+class BasePlan:
+    """One copy of the frozen base per replica, vLLM's, with the trainer's base as views of it
+    (`shared`), or two; and why (lorarl.driver.base_plan decides, the worker builds it)."""
+
+    shared: bool
+    reason: str
+
+    def __str__(self) -> str:
+        if self.shared:
+            return f"base: one copy, the trainer's frozen weights are views of vLLM's ({self.reason})"
+        return f"base: two copies, the trainer's and vLLM's ({self.reason})"
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ import torch
 from lorarl.config.run import RunConfig
 from lorarl.config.schema import cache_dir
 from lorarl.config.validate import check_model_shape_of
-from lorarl.contract.specs import EngineSpec, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
+from lorarl.contract.specs import EngineSpec, LLMArgs, RolloutSpec, SleepSpec, SyncSpec, WorkerSpec
+from lorarl.driver.base_plan import plan_for_run
 from lorarl.engines import backend_of
 from lorarl.engines.liger import use_liger_kernel
-from lorarl.engines.shared_base import plan_for_run
 from lorarl.errors import ConfigError, DataError
 from lorarl.rollout import memory
 from lorarl.rollout.sleep import can_sleep
@@ -217,7 +217,7 @@ def engine_spec(run: RunConfig, device: str) -> EngineSpec:
     )
 
 
-def rollout_args(run: RunConfig, device: str, engine: int) -> engine_args.LLMArgs:
+def rollout_args(run: RunConfig, device: str, engine: int) -> LLMArgs:
     """The `vllm.LLM` arguments of rollout engine `engine` (its workers share them): lorarl's keys,
     then rollout.engine_kwargs."""
     r, m, d = run.rollout, run.model, run.data

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from lorarl.contract.messages import Rollouts
 from lorarl.contract.payload import PayloadKind, SyncStats, WeightPayload
+from lorarl.contract.specs import LLMArgs
 from lorarl.errors import ConfigError, SyncError, one_line
 from lorarl.files.peft_io import save_peft_adapter
 from lorarl.rollout.vllm import base_views, engine_process, in_worker, lora_write
-from lorarl.rollout.vllm.engine_args import LLMArgs
 from lorarl.rollout.vllm.fingerprints import ADAPTER_ID, FingerprintReads
 from lorarl.rollout.vllm.names import hf_parts, resolve_base_name
 from lorarl.sync.experts import is_moe_checkpoint, vllm_form
@@ -69,7 +69,7 @@ class VLLMRollout(FingerprintReads):
             raise ConfigError(
                 "rollout.enable_sleep_mode=true but this vLLM build has no sleep mode (CPU); set it to false"
             )
-        model_path = args.model_path
+        model_path = args.model
         self.lora_rank = args.lora_rank
         self.max_lora_rank = args.max_lora_rank
         self.dtype = args.dtype

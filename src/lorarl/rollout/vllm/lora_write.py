@@ -27,9 +27,10 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from lorarl.contract.payload import ExpertWrapper
 from lorarl.errors import SyncError
 from lorarl.rollout.vllm.lora_slots import slot_groups
-from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
+from lorarl.sync.experts import experts_module, stacked_expert_factors
 from lorarl.sync.transport import AdapterLayout
 
 # Per slot group, by the vLLM name of its first slot: (A [n, r, in], B [n, out, r]) to write.
