@@ -140,7 +140,7 @@ def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> d
     weights, mask, metrics = rcorr.correct(
         batch.old_logp, batch.rollout_logp, batch.response_mask, c.level, c.threshold, c.rules
     )
-    out = {_correction_key(k): float(v) for k, v in metrics.items()}
+    out = {keys.rollout_corr_key(k): float(v) for k, v in metrics.items()}
     if weights is not None and c.normalize:
         total, count = engine.dp_all_reduce(list(rcorr.batch_mean_weight(weights, batch.response_mask, c.level)))
         mean = total / max(count, 1.0)
@@ -149,11 +149,6 @@ def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> d
         out[keys.ROLLOUT_CORR_ROLLOUT_IS_BATCH_NORM_FACTOR.key] = mean if mean > 1e-8 else 1.0
     batch.response_mask, batch.is_weights = mask, weights
     return out
-
-
-def _correction_key(name: str) -> str:
-    """The logged key of one of the rollout correction's measures (lorarl.algorithms.rollout_correction)."""
-    return keys.checked(f"rollout_corr/{name}")
 
 
 def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> LossFn:
@@ -168,7 +163,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
         if mb.rollout_logp is not None and not c.first:
             # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
             weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
-            metrics.update({_correction_key(k): v for k, v in corr.items()})
+            metrics.update({keys.rollout_corr_key(k): v for k, v in corr.items()})
         pg_loss, pg_metrics = losses.policy_loss(
             logp,
             old,
@@ -184,7 +179,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
             weights=None if c.bypass else weights,
         )
         loss = pg_loss
-        metrics.update({keys.checked(f"actor/{k}"): v for k, v in pg_metrics.items()})
+        metrics.update({keys.actor_key(k): v for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
                 loss = loss - a.entropy_coeff * losses.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)

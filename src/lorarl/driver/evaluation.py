@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lorarl import metrics as keys
 from lorarl.rewards import GSM8K_SOURCES, RESPONSE_IDS, get_reward_fn, gsm8k
 
 
@@ -45,18 +46,23 @@ def k_values(n: int) -> list[int]:
     return ks + [n]
 
 
-def accuracy(scores: Sequence[Sequence[float]], prefix: str) -> dict[str, float]:
-    """mean@n and pass@k (k from k_values(n)) of per-prompt sample scores; a sample is right
-    when it earns the full score of 1 (format-only credit is not)."""
+def accuracy(scores: Sequence[Sequence[float]], source: str, scorer: str) -> dict[str, float]:
+    """mean@n and pass@k (k from k_values(n)) of per-prompt sample scores, keyed as one data
+    source's scorer logs them; a sample is right when it earns the full score of 1 (format-only
+    credit is not)."""
     if not scores:
         raise ValueError("accuracy needs at least one prompt")
     n = len(scores[0])
     if any(len(row) != n for row in scores):
         raise ValueError(f"every prompt needs the same number of samples ({n}) for pass@k")
     right = [sum(1 for s in row if s >= 1.0) for row in scores]
-    out = {f"{prefix}/mean@{n}": sum(c / n for c in right) / len(right)}
+    out = {
+        keys.VAL_SOURCE_SCORER_MEAN_N.format(source=source, scorer=scorer, n=n): sum(c / n for c in right) / len(right)
+    }
     for k in k_values(n):
-        out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(right)
+        out[keys.VAL_SOURCE_SCORER_PASS_K.format(source=source, scorer=scorer, k=k)] = sum(
+            pass_at_k(n, c, k) for c in right
+        ) / len(right)
     return out
 
 
@@ -112,12 +118,12 @@ def validation_metrics(
     accs = []
     for source, rows in table.items():
         flat = [s for row in rows["acc"] for s in row]
-        out[f"val/{source}/reward/mean"] = sum(flat) / len(flat)
+        out[keys.VAL_SOURCE_REWARD_MEAN.format(source=source)] = sum(flat) / len(flat)
         for name, scores in rows.items():
-            out.update(accuracy(scores, f"val/{source}/{name}"))
-        accs.append(out[f"val/{source}/acc/mean@{len(rows['acc'][0])}"])
+            out.update(accuracy(scores, source, name))
+        accs.append(out[keys.VAL_SOURCE_SCORER_MEAN_N.format(source=source, scorer="acc", n=len(rows["acc"][0]))])
     if accs:
-        out["val/acc"] = sum(accs) / len(accs)
+        out[keys.VAL_ACC.key] = sum(accs) / len(accs)
     return out
 
 

@@ -86,9 +86,10 @@ def startup_lines(first_sync: SyncReport, startup: dict[str, float]) -> list[str
     return [
         f"first sync: {first_sync.kind}, {first_sync.num_tensors} tensors, "
         f"{first_sync.bytes / 2**20:.2f} MiB, {first_sync.seconds:.3f} s",
-        f"start-up: checks {startup['timing/prepare']:.1f} s, Ray {startup['timing/ray_init']:.1f} s, "
-        f"workers placed {startup['timing/workers_start']:.1f} s, vLLM engine {startup['timing/rollout_start']:.1f} s, "
-        f"training engine {startup['timing/engine_build']:.1f} s",
+        f"start-up: checks {startup[keys.INIT_TIMING_PREPARE.key]:.1f} s, Ray {startup[keys.INIT_TIMING_RAY_INIT.key]:.1f} s, "
+        f"workers placed {startup[keys.INIT_TIMING_WORKERS_START.key]:.1f} s, "
+        f"vLLM engine {startup[keys.INIT_TIMING_ROLLOUT_START.key]:.1f} s, "
+        f"training engine {startup[keys.INIT_TIMING_ENGINE_BUILD.key]:.1f} s",
     ]
 
 
@@ -168,8 +169,8 @@ class GRPOTrainer:
                 )
         # The first sync puts the trainer's weights into vLLM (the base too, if vLLM started from dummy weights).
         first_sync = self.workers.sync(SyncRequest(step=0, last=False, version=self.step))
-        startup = {"timing/prepare": self.prepare_seconds, **self.workers.startup}
-        startup_row = {**placement, **{f"init/{k}": v for k, v in {**startup, **first_sync.metrics()}.items()}}
+        startup = {keys.INIT_TIMING_PREPARE.key: self.prepare_seconds, **self.workers.startup}
+        startup_row = {**placement, **startup, **{keys.init_key(k): v for k, v in first_sync.metrics().items()}}
         # Every row carries the step it belongs to: a resumed process's start-up goes into the row of
         # the first step it trains, so metrics.jsonl has the steps an uninterrupted run has.
         pending = startup_row if 0 < self.step < self.total_steps else {}

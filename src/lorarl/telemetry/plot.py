@@ -10,15 +10,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from lorarl import metrics as keys
 from lorarl.telemetry.tracking import read_metrics
 
 CURVES = {
-    "reward": ("reward/mean", "mean reward, validation accuracy"),
-    "val_acc": ("val/acc", "validation accuracy"),
-    "kl": ("actor/kl_loss", "KL to the base model"),
-    "response_length": ("response_length/mean", "mean response length (tokens)"),
-    "sync_seconds": ("sync/seconds", "weight sync (s)"),
-    "sync_parity": ("sync/logprob_diff_max", "max |trainer - vLLM| logp"),
+    "reward": (keys.REWARD_MEAN.key, "mean reward, validation accuracy"),
+    "val_acc": (keys.VAL_ACC.key, "validation accuracy"),
+    "kl": (keys.ACTOR_KL_LOSS.key, "KL to the base model"),
+    "response_length": (keys.RESPONSE_LENGTH_MEAN.key, "mean response length (tokens)"),
+    "sync_seconds": (keys.SYNC_SECONDS.key, "weight sync (s)"),
+    "sync_parity": (keys.SYNC_LOGPROB_DIFF_MAX.key, "max |trainer - vLLM| logp"),
 }
 LOG_SCALE = {"sync_parity"}  # fp32 runs sit near 1e-6, bf16 near 1e-2
 # The per-step reward swings with which prompts a batch drew; a trailing mean over this many steps
@@ -101,7 +102,7 @@ def _reward_panel(ax, xs, ys, rows, color, name) -> None:
         linewidth=2.0,
         label=f"{tag}reward, mean of last {SMOOTH_WINDOW} steps",
     )
-    val = [(r["step"], r["val/acc"]) for r in rows if isinstance(r.get("val/acc"), (int, float))]
+    val = [(r["step"], r[keys.VAL_ACC.key]) for r in rows if isinstance(r.get(keys.VAL_ACC.key), (int, float))]
     if val:
         vx, vy = zip(*val)
         # One run: its own colour, so the points stand apart from the reward; a sweep: the run's colour.

@@ -13,6 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lorarl import metrics as keys
 from lorarl.telemetry.tracking import read_metrics
 
 COLUMNS = ["job", "overrides", "steps", "final_reward", "val_acc", "step_seconds", "sync_seconds"]
@@ -23,10 +24,10 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
     for metrics_file in sorted(Path(sweep_dir).glob("*/metrics.jsonl")):
         job = metrics_file.parent
         metrics = read_metrics(job)
-        steps = [r for r in metrics if "reward/mean" in r]
+        steps = [r for r in metrics if keys.REWARD_MEAN.key in r]
         overrides_file = job / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.load(overrides_file) if overrides_file.exists() else []
-        val = [r["val/acc"] for r in metrics if "val/acc" in r]
+        val = [r[keys.VAL_ACC.key] for r in metrics if keys.VAL_ACC.key in r]
         tail = steps[-max(1, len(steps) // 5) :] if steps else []
         rows.append(
             {
@@ -34,10 +35,10 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
                 "overrides": " ".join(str(o) for o in overrides),
                 "steps": len(steps),
                 # Mean of the last fifth of the steps: one step's reward is noisy.
-                "final_reward": round(statistics.fmean(r["reward/mean"] for r in tail), 4) if tail else None,
+                "final_reward": round(statistics.fmean(r[keys.REWARD_MEAN.key] for r in tail), 4) if tail else None,
                 "val_acc": round(val[-1], 4) if val else None,
-                "step_seconds": round(statistics.median(r["timing/step"] for r in steps), 3) if steps else None,
-                "sync_seconds": round(statistics.median(r["sync/seconds"] for r in steps), 4) if steps else None,
+                "step_seconds": round(statistics.median(r[keys.TIMING_STEP.key] for r in steps), 3) if steps else None,
+                "sync_seconds": round(statistics.median(r[keys.SYNC_SECONDS.key] for r in steps), 4) if steps else None,
             }
         )
     return rows

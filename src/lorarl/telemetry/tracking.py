@@ -11,18 +11,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lorarl import metrics as keys
+
 SECRET_KEYS = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
-CONSOLE_KEYS = (
-    "reward/mean",
-    "val/acc",
-    "actor/pg_loss",
-    "actor/kl_loss",
-    "actor/grad_norm",
-    "response_length/mean",
-    "sync/kind",
-    "sync/seconds",
-    "sync/logprob_diff_max",
-    "timing/step",
+# What the console shows of a row, besides every validation key.
+CONSOLE_KEYS = tuple(
+    m.key
+    for m in (
+        keys.REWARD_MEAN,
+        keys.VAL_ACC,
+        keys.ACTOR_PG_LOSS,
+        keys.ACTOR_KL_LOSS,
+        keys.ACTOR_GRAD_NORM,
+        keys.RESPONSE_LENGTH_MEAN,
+        keys.SYNC_KIND,
+        keys.SYNC_SECONDS,
+        keys.SYNC_LOGPROB_DIFF_MAX,
+        keys.TIMING_STEP,
+    )
 )
 
 
@@ -118,8 +124,8 @@ class Tracker:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
-        if "console" in self.loggers and any(k in CONSOLE_KEYS or k.startswith("val/") for k in metrics):
-            shown = [f"{k}={_fmt(v)}" for k, v in row.items() if k in CONSOLE_KEYS or k.startswith("val/")]
+        if "console" in self.loggers and any(k in CONSOLE_KEYS or keys.is_validation(k) for k in metrics):
+            shown = [f"{k}={_fmt(v)}" for k, v in row.items() if k in CONSOLE_KEYS or keys.is_validation(k)]
             self.write(f"step {step}: " + " ".join(shown))
 
     def finish(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lorarl import metrics as keys
 from lorarl.config.run import RunConfig
 from lorarl.contract.messages import (
     GenerateRequest,
@@ -146,8 +147,8 @@ class WorkerGroup:
         self._owns_ray = started_ray
         self._owns_local_ray = started_ray and not os.environ.get("RAY_ADDRESS")
         self.placement: list[Placement] = []
-        # Where the start-up time went, logged once at step 0 (init/timing/*).
-        self.startup: dict[str, float] = {"timing/ray_init": time.perf_counter() - t0}
+        # Where the start-up time went, logged once at step 0.
+        self.startup: dict[str, float] = {keys.INIT_TIMING_RAY_INIT.key: time.perf_counter() - t0}
         try:
             self._start(run, spec, device)
         except BaseException:
@@ -216,10 +217,10 @@ class WorkerGroup:
         # The slowest worker's stages: the others wait for it at the first collective.
         self.startup.update(
             {
-                "timing/workers_start": t1 - t0,
-                "timing/rollout_start": max(s.rollout_start_seconds for s in setups),
-                "timing/engine_build": max(s.engine_build_seconds for s in setups),
-                "timing/worker_setup": time.perf_counter() - t1,
+                keys.INIT_TIMING_WORKERS_START.key: t1 - t0,
+                keys.INIT_TIMING_ROLLOUT_START.key: max(s.rollout_start_seconds for s in setups),
+                keys.INIT_TIMING_ENGINE_BUILD.key: max(s.engine_build_seconds for s in setups),
+                keys.INIT_TIMING_WORKER_SETUP.key: time.perf_counter() - t1,
             }
         )
         self.dp_size = self.dp[0][1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from lorarl import metrics as keys
 from lorarl.config.run import RunConfig
 from lorarl.contract.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
 from lorarl.contract.specs import WorkerSpec
@@ -80,10 +81,10 @@ class SplitWorkerGroup(WorkerGroup):
         self.rollout_sleeps = False
         self.startup.update(
             {
-                "timing/workers_start": t1 - t0,
-                "timing/rollout_start": max(s.rollout_start_seconds for s in rolled),
-                "timing/engine_build": max(s.engine_build_seconds for s in trained),
-                "timing/worker_setup": time.perf_counter() - t1,
+                keys.INIT_TIMING_WORKERS_START.key: t1 - t0,
+                keys.INIT_TIMING_ROLLOUT_START.key: max(s.rollout_start_seconds for s in rolled),
+                keys.INIT_TIMING_ENGINE_BUILD.key: max(s.engine_build_seconds for s in trained),
+                keys.INIT_TIMING_WORKER_SETUP.key: time.perf_counter() - t1,
             }
         )
         self.rollout_replica = list(range(n_rollout))
