@@ -221,7 +221,7 @@ def ppo_step(run, engine, batch, step: int, device: torch.device) -> dict:
     """One PPO update as the worker runs it (lorarl.algorithms.ppo.ppo_update) on an engine built from `run`
     on `device` (either engine: the Megatron one keeps only its own config groups)."""
     from lorarl.algorithms.ppo import AdapterPlan, Correction, ppo_update
-    from lorarl.trainer import sampling_of
+    from lorarl.driver.jobs import sampling_of
 
     correction = Correction.of(run.algorithm.rollout_correction, device.type)
     return ppo_update(engine, batch, step, [AdapterPlan(run.actor, sampling_of(run), correction)])[0].metrics()

@@ -249,8 +249,8 @@ def prompt_batches(run_cfg, steps: int) -> tuple[list[list], list[dict]]:
     order with one batch more, so TRL's sampler, reading them in file order, never runs short."""
     from lorarl.data.batches import prompt_batches as trainer_batches
     from lorarl.data.dataset import load_rows
-    from lorarl.preflight import load_tokenizer
-    from lorarl.prepare import prepare_data
+    from lorarl.driver.preflight import load_tokenizer
+    from lorarl.driver.prepare import prepare_data
 
     prepare_data(run_cfg)  # writes the arith parquet if this cache has none yet
     loader, _, _ = trainer_batches(run_cfg.data, load_tokenizer(run_cfg), run_cfg.trainer.seed, validation=False)
@@ -263,7 +263,7 @@ def run_lorarl(run: Run, overrides: list[str], cache: Path, tmp: Path, timeout: 
     """One lorarl run: its command, metrics rows with a step time, start-up timings (step 0's
     init/timing/*), log, and error if it stopped short. A worker's traceback and a stalled call's
     stacks (written into the run folder) are appended to the log."""
-    from lorarl.stall_report import STACKS_GLOB
+    from lorarl.workers.stall_report import STACKS_GLOB
 
     run_dir = tmp / run.name
     cmd = [sys.executable, "-m", "recipes.grpo", f"+backend={run.arm.backend}", *overrides, f"hydra.run.dir={run_dir}"]

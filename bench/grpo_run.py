@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from bench.common import ROOT
+from lorarl import metrics as keys
 
 
 def run_grpo(
@@ -38,7 +39,7 @@ def run_grpo(
     metrics = run_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         raise RuntimeError(f"recipes.grpo exit {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if '"timing/step"' in line]
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if keys.TIMING_STEP.key in r]
 
 
 def _main() -> None:

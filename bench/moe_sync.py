@@ -81,14 +81,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"moe_sync_{date.today()}"))
     args = ap.parse_args()
 
-    from lorarl.rollout import vllm_engine_args
-    from lorarl.rollout.vllm import VLLMRollout
+    from lorarl.contract.payload import WeightPayload
+    from lorarl.rollout.vllm import engine_args
+    from lorarl.rollout.vllm.engine import VLLMRollout
     from lorarl.sync import transport
     from lorarl.sync.experts import to_vllm_layout, vllm_adapter_config
-    from lorarl.sync.payload import WeightPayload
 
     path, config = moe_model(cache_dir(), args.dims, args.layers, args.experts, args.device)
-    llm = vllm_engine_args.build(path, lora_rank=args.rank, max_model_len=256, seed=0, on_cpu=args.device == "cpu")
+    llm = engine_args.build(path, lora_rank=args.rank, max_model_len=256, seed=0, on_cpu=args.device == "cpu")
     rows = {"loader": [], "in_place": []}
     with VLLMRollout(llm, adapter_transport="memory") as rollout:
         tensors, cfg, wrappers = adapter(config, args.rank, 0, args.device)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.common import ROOT, cache_dir, tiny_model, write_json
 from bench.grpo_run import run_grpo
+from lorarl import metrics as keys
 
 PROMPTS, N, MAX_TOKENS = 4, 4, 32
 WARMUP_STEPS = 2
@@ -111,7 +112,7 @@ def arith_train_file(cache: Path) -> str:
     """The arith train parquet the lorarl run reads (conf/data/arith.yaml names the folder), written if missing."""
     os.environ["LORARL_CACHE"] = str(cache)  # ${lorarl_cache:} in the data config reads it
     from lorarl.config.compose import compose
-    from lorarl.prepare import prepare_data
+    from lorarl.driver.prepare import prepare_data
 
     run = compose(["+backend=fsdp", "data=arith"])
     prepare_data(run)
@@ -172,25 +173,18 @@ def ours_records(cache: Path, steps: int, tmp: Path, trl_threads: int, config: s
                 Record("peer_trl", f"{label}: run", config, None, error=f"{type(exc).__name__}: {exc}"[:900])
             )
             continue
-        step, sync = Stat.of([r["timing/step"] for r in rows]), Stat.of([r["sync/seconds"] for r in rows])
+        step, sync = Stat.of([r[keys.TIMING_STEP.key] for r in rows]), Stat.of([r[keys.SYNC_SECONDS.key] for r in rows])
         ours[label] = step
         ours[label + " sync"] = sync
+        phases = (keys.TIMING_GEN, keys.TIMING_OLD_LOGP, keys.TIMING_REF_LOGP, keys.TIMING_UPDATE, keys.TIMING_TRAIN)
+        phases += (keys.TIMING_SYNC,)
         extra = {
-            "sync_bytes": rows[-1]["sync/bytes"],
-            "reward_mean_per_step": [r["reward/mean"] for r in rows],
-            "response_length_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
+            "sync_bytes": rows[-1][keys.SYNC_BYTES.key],
+            "reward_mean_per_step": [r[keys.REWARD_MEAN.key] for r in rows],
+            "response_length_mean": sum(r[keys.RESPONSE_LENGTH_MEAN.key] for r in rows) / len(rows),
             # Where lorarl's step goes, for reading the ratio (medians over the same steps).
             "median_s": {
-                k: Stat.of([r[k] for r in rows]).median
-                for k in (
-                    "timing/gen",
-                    "timing/old_logp",
-                    "timing/ref_logp",
-                    "timing/update",
-                    "timing/train",
-                    "timing/sync",
-                )
-                if all(k in r for r in rows)
+                m.key: Stat.of([r[m.key] for r in rows]).median for m in phases if all(m.key in r for r in rows)
             },
         }
         base_step = ours.get(matched) if label != matched else None
@@ -205,7 +199,7 @@ def ours_records(cache: Path, steps: int, tmp: Path, trl_threads: int, config: s
                 sync,
                 f"{matched}: seconds per sync",
                 base_sync,
-                {"sync_bytes": rows[-1]["sync/bytes"]},
+                {"sync_bytes": rows[-1][keys.SYNC_BYTES.key]},
             )
         )
     return records, ours

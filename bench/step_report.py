@@ -16,9 +16,17 @@ import json
 import statistics
 from pathlib import Path
 
+from lorarl import metrics as keys
+
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 WARMUP_STEPS = 2  # medians are over steps 3+
-SYNC_PARTS = ("gather", "transfer", "load", "adapter_check", "meaning_check", "weights_check", "probe")
+# The parts of a sync, and the trainer's start-up stages, by the names the report gives them.
+SYNC_PARTS = dict(gather=keys.SYNC_GATHER_SECONDS, transfer=keys.SYNC_TRANSFER_SECONDS, load=keys.SYNC_LOAD_SECONDS)
+SYNC_PARTS |= dict(adapter_check=keys.SYNC_ADAPTER_CHECK_SECONDS, meaning_check=keys.SYNC_MEANING_CHECK_SECONDS)
+SYNC_PARTS |= dict(weights_check=keys.SYNC_WEIGHTS_CHECK_SECONDS, probe=keys.SYNC_PROBE_SECONDS)
+STARTUP = dict(prepare=keys.INIT_TIMING_PREPARE, ray_init=keys.INIT_TIMING_RAY_INIT)
+STARTUP |= dict(workers_start=keys.INIT_TIMING_WORKERS_START, rollout_start=keys.INIT_TIMING_ROLLOUT_START)
+STARTUP |= dict(engine_build=keys.INIT_TIMING_ENGINE_BUILD, worker_setup=keys.INIT_TIMING_WORKER_SETUP)
 PHASES = ("gen_s", "logp_s", "update_s", "sync_s", "sleep_wake_s", "other_s")
 # The targets at equal algorithm: step seconds at most, TRL's step over ours and the MFU at least.
 TARGETS = {
@@ -63,20 +71,20 @@ def lorarl_steps(metrics: list[dict], prompt_tokens: list[int], completions: int
     loader, x n) + its mean response length x completions."""
     out = []
     for r in metrics:
-        step, tokens = r.get("step", 0), None
-        if "response_length/mean" in r and 0 < step <= len(prompt_tokens):
-            tokens = prompt_tokens[step - 1] + round(r["response_length/mean"] * completions)
+        step, tokens = r.get(keys.STEP.key, 0), None
+        if keys.RESPONSE_LENGTH_MEAN.key in r and 0 < step <= len(prompt_tokens):
+            tokens = prompt_tokens[step - 1] + round(r[keys.RESPONSE_LENGTH_MEAN.key] * completions)
         phases = {
-            "step_s": r["timing/step"],
-            "gen_s": r.get("timing/gen", 0.0),
-            "logp_s": r.get("timing/ref_logp", 0.0) + r.get("timing/old_logp", 0.0),
-            "update_s": r.get("timing/update", 0.0),
+            "step_s": r[keys.TIMING_STEP.key],
+            "gen_s": r.get(keys.TIMING_GEN.key, 0.0),
+            "logp_s": r.get(keys.TIMING_REF_LOGP.key, 0.0) + r.get(keys.TIMING_OLD_LOGP.key, 0.0),
+            "update_s": r.get(keys.TIMING_UPDATE.key, 0.0),
             # The driver's sync call includes waking a sleeping rollout, counted below.
-            "sync_s": r.get("timing/sync", 0.0) - r.get("timing/wake", 0.0),
-            "sleep_wake_s": r.get("timing/sleep", 0.0) + r.get("timing/wake", 0.0),
+            "sync_s": r.get(keys.TIMING_SYNC.key, 0.0) - r.get(keys.TIMING_WAKE.key, 0.0),
+            "sleep_wake_s": r.get(keys.TIMING_SLEEP.key, 0.0) + r.get(keys.TIMING_WAKE.key, 0.0),
         }
-        if "timing/gen_wait" in r:
-            phases["gen_wait_s"] = r["timing/gen_wait"]
+        if keys.TIMING_GEN_WAIT.key in r:
+            phases["gen_wait_s"] = r[keys.TIMING_GEN_WAIT.key]
         out.append(_with_other({**phases, "tokens": tokens}))
     return out
 
@@ -93,46 +101,43 @@ def trl_steps(result: dict) -> list[dict]:
 
 
 def lorarl_metrics(path: Path) -> tuple[list[dict], dict]:
-    """A lorarl run's metrics.jsonl: the rows with a step time, and where its start-up went (step
-    0's init/timing/*, without the prefix)."""
-    lines = path.read_text().splitlines() if path.is_file() else []
-    init = next((json.loads(line) for line in lines if '"init/timing/' in line), {})
-    startup = {k.removeprefix("init/timing/"): v for k, v in init.items() if k.startswith("init/timing/")}
-    return [json.loads(line) for line in lines if '"timing/step"' in line], startup
+    """A lorarl run's metrics.jsonl: the rows with a step time, and where its start-up went (the
+    first row that logs it, step 0's, by STARTUP's names)."""
+    rows = [json.loads(line) for line in (path.read_text().splitlines() if path.is_file() else []) if line.strip()]
+    init = next((r for r in rows if any(m.key in r for m in STARTUP.values())), {})
+    return [r for r in rows if keys.TIMING_STEP.key in r], {n: init[m.key] for n, m in STARTUP.items() if m.key in init}
 
 
 def lorarl_extras(rows: list[dict]) -> dict:
     """What lorarl's metrics say beyond the timing: the sync, the memory, the rollout/trainer mismatch."""
-    last = rows[-1] if rows else {}
+    last, settled = (rows[-1] if rows else {}), rows[WARMUP_STEPS:]
     return {
-        "response_length_mean": [r.get("response_length/mean") for r in rows],
-        "staleness": [r.get("rollout/staleness") for r in rows],
-        "sync_kind": last.get("sync/kind"),
-        "sync_bytes": last.get("sync/bytes"),
-        "sync_logprob_diff_max": max((r.get("sync/logprob_diff_max", 0.0) for r in rows), default=None),
-        "memory_max_allocated_gib": max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        "response_length_mean": [r.get(keys.RESPONSE_LENGTH_MEAN.key) for r in rows],
+        "staleness": [r.get(keys.ROLLOUT_STALENESS.key) for r in rows],
+        "sync_kind": last.get(keys.SYNC_KIND.key),
+        "sync_bytes": last.get(keys.SYNC_BYTES.key),
+        "sync_logprob_diff_max": max((r.get(keys.SYNC_LOGPROB_DIFF_MAX.key, 0.0) for r in rows), default=None),
+        "memory_max_allocated_gib": max((r.get(keys.MEMORY_MAX_ALLOCATED_GIB.key, 0.0) for r in rows), default=None),
         # What the update itself added (the log-prob passes included): what decides the sleep.
-        "memory_update_peak_gib": max((r.get("memory/update_peak_gib", 0.0) for r in rows), default=None),
+        "memory_update_peak_gib": max((r.get(keys.MEMORY_UPDATE_PEAK_GIB.key, 0.0) for r in rows), default=None),
         # The caching allocator freeing its cache to retry an allocation (a device-wide wait) in the update.
-        "update_alloc_retries": [r.get("memory/alloc_retries") for r in rows],
+        "update_alloc_retries": [r.get(keys.MEMORY_ALLOC_RETRIES.key) for r in rows],
         # vLLM's sampled-token log-probs against the trainer's, bf16 on both sides: k3 KL and the largest ratio.
-        "rollout_corr_kl": [r.get("rollout_corr/kl") for r in rows],
-        "rollout_corr_rollout_is_max": [r.get("rollout_corr/rollout_is_max") for r in rows],
-        # Where the sync went: each part's sync/<part>_seconds, median over steps 3+ (None: not logged).
-        "sync_parts_s": {
-            p: median([r[k] for r in rows[WARMUP_STEPS:] if k in r]) for p in SYNC_PARTS for k in [f"sync/{p}_seconds"]
-        },
+        "rollout_corr_kl": [r.get(keys.ROLLOUT_CORR_KL.key) for r in rows],
+        "rollout_corr_rollout_is_max": [r.get(keys.ROLLOUT_CORR_ROLLOUT_IS_MAX.key) for r in rows],
+        # Where the sync went: each part's seconds, median over steps 3+ (None: not logged).
+        "sync_parts_s": {p: median([r[m.key] for r in settled if m.key in r]) for p, m in SYNC_PARTS.items()},
     }
 
 
 def param_count(dims: dict) -> int:
     """All parameters of a Qwen2 with these config.json dims (q/k/v biases, two norms per layer,
-    final norm, the LM head once more unless tied): lorarl.memory's count of the same weights.
+    final norm, the LM head once more unless tied): lorarl.rollout.memory's count of the same weights.
     A mixture of experts counts what one token runs through: attention, the router and top-k
     experts' MLPs (the MFU by 4 x active parameters)."""
     from types import SimpleNamespace
 
-    from lorarl.memory import ModelDims, weight_numel
+    from lorarl.rollout.memory import ModelDims, weight_numel
 
     experts = dims.get("num_experts") or dims.get("num_local_experts")  # Qwen's name, transformers 5's
     if experts:

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from bench.common import cache_dir, ppo_step, shaped_model, tiny_model
 from bench.step_report import mfu, param_count
-from lorarl.algorithms.batch import build_batch
+from lorarl import metrics as keys
 from lorarl.config.compose import compose
+from lorarl.contract.engine import build_batch
+from lorarl.driver.prepare import engine_spec
 from lorarl.engines.fsdp import FSDPEngine
-from lorarl.prepare import engine_spec
 
 PRESETS = {
     "0.5b": ("qwen2.5-0.5b", "qwen2_5_0_5b_instruct"),
@@ -261,7 +262,7 @@ def main() -> None:
             "reference_median_s": statistics.median(reference),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
             "alloc_retries": stats().get("num_alloc_retries", 0) - retries0,
-            "micro_batches": metrics.get("actor/micro_batches"),
+            "micro_batches": metrics.get(keys.ACTOR_MICRO_BATCHES.key),
         }
         if args.trace_syncs and on_gpu:
             row["syncs"] = trace_syncs(run, engine, batch, device)

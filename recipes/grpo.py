@@ -16,7 +16,7 @@ from lorarl.driver.entry import as_command
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo")
 def main(cfg: DictConfig) -> float | None:
-    from lorarl.trainer import run
+    from lorarl.driver.trainer import run
 
     with as_command():
         return run(cfg)

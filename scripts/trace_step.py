@@ -7,7 +7,7 @@ its vLLM CPU engine and FSDP2 over gloo), syncs once as the trainer does at star
 the trainer's next step (GRPOTrainer.train_step) with sys.setprofile: every Python call whose
 code lives under src/lorarl, the first call of each function listed once. The worker group's
 three calls go straight to the worker here (Ray would run them in another process, where this
-profile cannot see): lorarl/worker_group.py's part of the step (WorkerGroup.generate, update and
+profile cannot see): lorarl/workers/group.py's part of the step (WorkerGroup.generate, update and
 sync, _first_of, _get) is named at the end instead of traced. docs/design.md's step trace is
 read from this output.
 """
@@ -39,9 +39,7 @@ class InProcessGroup:
         return [self.worker.update(per_replica[0])]
 
     def sync(self, request):
-        from lorarl.messages import SyncReport
-
-        return SyncReport.merge([self.worker.sync(request)[0]])
+        return self.worker.sync(request)
 
 
 def trace(call) -> list[tuple[str, str]]:
@@ -66,19 +64,20 @@ def trace(call) -> list[tuple[str, str]]:
 
 def main(overrides: list[str]) -> None:
     from lorarl.config.compose import compose
-    from lorarl.messages import Rendezvous, SyncRequest
-    from lorarl.trainer import GRPOTrainer
-    from lorarl.worker import Worker
+    from lorarl.contract.messages import Rendezvous, SyncRequest
+    from lorarl.driver.jobs import Job
+    from lorarl.driver.trainer import GRPOTrainer
+    from lorarl.workers.worker import Worker
 
     run = compose(["+backend=fsdp", "trainer.device=cpu", "trainer.logger=[console]", *overrides])
-    trainer = GRPOTrainer(run, Path(tempfile.mkdtemp(prefix="lorarl_trace_")))
+    trainer = GRPOTrainer([Job(run, Path(tempfile.mkdtemp(prefix="lorarl_trace_")))])
     worker = Worker(trainer.worker_spec, rank=0, world_size=1, device="cpu")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     worker.setup(Rendezvous(master_addr="127.0.0.1", master_port=port))
     trainer.workers = InProcessGroup(worker)
-    trainer.workers.sync(SyncRequest(step=0, last=False))[0]
+    trainer.workers.sync(SyncRequest(step=0, last=False))
     trainer.step = 1
     calls = trace(trainer.train_step)
     worker.shutdown()

@@ -64,7 +64,7 @@ def test_overlong_penalty_and_group_filter():
     assert advantages.overlong_penalty(80, 100, 20, 1.0) == 0.0
     assert advantages.overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
     assert advantages.overlong_penalty(100, 100, 20, 0.5) == pytest.approx(-0.5)
-    from lorarl.trainer import PromptGroup
+    from lorarl.driver.rollouts import PromptGroup
 
     groups = [PromptGroup(None, [[1]] * 2, [[0.0]] * 2, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5])]
     assert [g.has_signal() for g in groups] == [False, True, False]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorarl.checkpoint import (
+from lorarl.errors import LorarlError
+from lorarl.files.checkpoint import (
     CheckpointManager,
     flatten_optimizer_state,
     is_complete,
     resolve_resume,
     unflatten_optimizer_state,
 )
-from lorarl.errors import LorarlError
-from lorarl.peft_io import load_peft_adapter, save_peft_adapter
+from lorarl.files.peft_io import load_peft_adapter, save_peft_adapter
 
 
 def save_step(manager: CheckpointManager, step: int) -> None:

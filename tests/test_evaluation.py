@@ -5,7 +5,7 @@ import pytest
 from lorarl.config.compose import load_group
 from lorarl.config.schema import RewardConfig
 from lorarl.data.dataset import PromptItem
-from lorarl.evaluation import accuracy, k_values, pass_at_k, validation_metrics
+from lorarl.driver.evaluation import accuracy, k_values, pass_at_k, validation_metrics
 
 
 @pytest.mark.parametrize(
@@ -41,14 +41,14 @@ def test_k_values():
 def test_accuracy_mean_and_pass_at_k():
     # prompt 1: 1 of 4 right; prompt 2: none (0.5 is format credit, not right); prompt 3: all
     scores = [[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]]
-    out = accuracy(scores, "val/x/acc")
+    out = accuracy(scores, "x", "acc")
     assert set(out) == {"val/x/acc/mean@4", "val/x/acc/pass@1", "val/x/acc/pass@2", "val/x/acc/pass@4"}
     assert out["val/x/acc/mean@4"] == pytest.approx((0.25 + 0.0 + 1.0) / 3)
     assert out["val/x/acc/pass@1"] == pytest.approx((0.25 + 0.0 + 1.0) / 3)
     assert out["val/x/acc/pass@2"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
     assert out["val/x/acc/pass@4"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="same number"):
-        accuracy([[1.0, 0.0], [1.0]], "p")
+        accuracy([[1.0, 0.0], [1.0]], "p", "acc")
 
 
 def item(source: str, truth: str) -> PromptItem:

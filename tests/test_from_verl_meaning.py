@@ -348,8 +348,8 @@ def test_check_estimates_what_a_sequence_split_costs(tmp_path):
     config on this machine --check runs the shape checks and prints lorarl's memory estimate."""
     from transformers import Qwen2Config
 
-    from lorarl.memory import GIB, ModelDims
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
+    from lorarl.rollout.memory import GIB, ModelDims
 
     model = tmp_path / "Qwen2.5-7B-Instruct"
     shape = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28)

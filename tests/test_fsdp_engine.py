@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorarl.algorithms.batch import build_batch
+from lorarl.contract.engine import build_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "fsdp_engine_check.py"

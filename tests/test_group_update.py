@@ -32,11 +32,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lorarl.algorithms.batch import build_batch
 from lorarl.algorithms.ppo import AdapterPlan, Correction, needs_old_logp, ppo_update
 from lorarl.config.compose import compose
+from lorarl.contract.engine import build_batch
 from lorarl.driver.jobs import sampling_of
-from lorarl.prepare import engine_spec, group_worker_spec, prepare_model
+from lorarl.driver.prepare import engine_spec, group_worker_spec, prepare_model
 
 # What the micro-batches looked like (padding, tokens, count): the group's hold every job's rows.
 SHAPE_KEYS = ("actor/padding_frac", "actor/micro_batch_tokens_max", "actor/micro_batches")
@@ -96,15 +96,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _rows(job: int, pad: int):
     """A job's 16 rollouts: its prompts, responses, advantages and sampler log-probs."""
     gen = torch.Generator().manual_seed(10 + job)
-    prompts = [torch.randint(3, 200, (int(n),), generator=gen).tolist() for n in torch.randint(3, 9, (16,), generator=gen)]
-    responses = [torch.randint(3, 200, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (16,), generator=gen)]
+    prompts = [
+        torch.randint(3, 200, (int(n),), generator=gen).tolist() for n in torch.randint(3, 9, (16,), generator=gen)
+    ]
+    responses = [
+        torch.randint(3, 200, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (16,), generator=gen)
+    ]
     adv = torch.randn(16, generator=gen).tolist()
     logps = [(-torch.rand(len(r), generator=gen) * 3).tolist() for r in responses]
     return prompts, responses, adv, logps
 
 
 def _update(engine, spec, runs, rows, adapters, step: int, grads: list):
-    """The worker's update (lorarl.worker.Worker._update) on `rows`, recording the gradients each
+    """The worker's update (lorarl.workers.worker.Worker._update) on `rows`, recording the gradients each
     optimizer step is about to apply."""
     prompts, responses, adv, logps = rows
     batch = build_batch(prompts, responses, engine.pad_token_id, adv, engine.left_pad_prompts, logps, adapters)
@@ -173,7 +177,9 @@ def _compare(runs, group_spec, group, solos, steps=(1, 2, 3), all_metrics=False)
             for mini, (g_all, s_all) in enumerate(zip(group_grads, solo_grads, strict=True)):
                 first = step == steps[0] and mini == 0
                 for g, s in zip(g_all[i], s_all[0], strict=True):
-                    check("first gradient" if first else "gradient", _relative(g, s), 2e-5 if first else 2e-3, (step, i))
+                    check(
+                        "first gradient" if first else "gradient", _relative(g, s), 2e-5 if first else 2e-3, (step, i)
+                    )
             check("grad norm", abs(got.grad_norm / want.grad_norm - 1), 1e-3, (step, i))
             check("lr", abs(got.lr / want.lr - 1), 1e-3, (step, i))
             moved_g, moved_s = _factors_now(group, i) - start[i], _factors_now(solo, 0) - start[i]

@@ -242,7 +242,7 @@ def test_multirun_folders_and_summary(cache, tmp_path):
 
 def test_workers_get_the_launchers_communication_settings(monkeypatch):
     """NCCL_NVLS_ENABLE=0 and friends set by the launching shell must reach every Ray worker."""
-    from lorarl.worker import worker_env
+    from lorarl.workers.worker import worker_env
 
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -216,7 +216,7 @@ def _qwen3_impls(live: Live) -> dict:
 
 
 def test_qwen3_exports_keep_qk_norms_in_the_base_only(mb_api):
-    from lorarl.sync.payload import WeightPayload
+    from lorarl.contract.payload import WeightPayload
 
     live = Live()
     adapter = B.MegatronBridgeAdapter(spec_object(mb_api, _qwen3_impls(live), []))

@@ -547,9 +547,9 @@ def test_bridge_adapter_export_of_experts_through_lorarl(src, tmp_path):
     storage), and the per-expert payload passes lorarl.sync's checks."""
     from safetensors.torch import save_file
 
+    from lorarl.contract.payload import PayloadKind, WeightPayload
     from lorarl.engines.megatron.bridge import MegatronBridgeAdapter
     from lorarl.engines.megatron.config_map import peft_adapter_config
-    from lorarl.sync.payload import PayloadKind, WeightPayload
     from tests.megatron_source import spec_object
 
     raw = _bridge_expert_adapter_names(src, layers=1)

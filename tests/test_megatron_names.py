@@ -646,7 +646,7 @@ def test_normalize_base_names(arch):
 def test_split_adapter_is_a_valid_rollout_payload():
     """What the Megatron engine hands the rollout passes lorarl.sync's checks, which run
     vLLM's own LoRA name parser and the adapter-config rules."""
-    from lorarl.sync.payload import PayloadKind, WeightPayload
+    from lorarl.contract.payload import PayloadKind, WeightPayload
 
     _, shards, _ = _random_lora_layer(0, 2, _gen(9))
     tensors = {k: v.float() for k, v in R.megatron_lora_to_peft(shards, SHAPE).items()}

@@ -1,4 +1,4 @@
-"""The update's memory estimate (lorarl.memory) against what autograd really keeps, and the
+"""The update's memory estimate (lorarl.rollout.memory) against what autograd really keeps, and the
 sleep decision it drives."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lorarl.memory import GIB, ModelDims, layer_activation_bytes, plan_from_peak, plan_sleep, update_bytes
+from lorarl.rollout.memory import GIB, ModelDims, layer_activation_bytes, plan_from_peak, plan_sleep, update_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -103,10 +103,10 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
     import torch.distributed as dist
 
     from lorarl.config.compose import compose
-    from lorarl.messages import SyncReport
-    from lorarl.prepare import run_update_tokens
+    from lorarl.contract.messages import SyncReport
+    from lorarl.contract.specs import SleepSpec
+    from lorarl.driver.prepare import run_update_tokens
     from lorarl.rollout.sleep import RolloutSleep
-    from lorarl.specs import SleepSpec
 
     sleep = RolloutSleep.__new__(RolloutSleep)  # the GPU-only setup replaced by its outcome
     run = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
@@ -136,7 +136,7 @@ def test_a_kept_sleep_is_said_once_with_its_measured_peak(tmp_path):
 
 def test_the_largest_micro_batch_a_run_allows():
     from lorarl.config.compose import compose
-    from lorarl.prepare import run_update_tokens
+    from lorarl.driver.prepare import run_update_tokens
 
     budget = compose(["+backend=fsdp", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096"])
     assert run_update_tokens(budget, dp_size=1) == 4096
@@ -153,7 +153,7 @@ def test_the_presets_estimate_is_what_the_h200_runs_logged(shape, preset, gib):
     'the update needs ~35.1 GiB' at 7B, ~54.1 at 0.5B, both then run awake without running out)."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
 
     run = compose(["+backend=fsdp", f"model={preset}", "data.max_response_length=128", "rollout.n=8"])
     dims = ModelDims.of(Qwen2Config(**SHAPES[shape]))
@@ -166,7 +166,7 @@ def test_fsdp_without_resharding_counts_the_gathered_weights_it_keeps():
     bench/results/update_profile_2026-12-04c); the estimate adds the model's bf16 weights."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-7b"]))
     need = [
@@ -189,7 +189,7 @@ def test_megatron_counts_its_head_at_every_position_and_its_attention_scores():
     copy per head and key position, for every token of every layer."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
 
     dims = ModelDims.of(Qwen2Config(**SHAPES["qwen2.5-0.5b"]))
     work = ["model=qwen2_5_0_5b_instruct", "data.max_response_length=128"]
@@ -230,7 +230,7 @@ def test_a_shared_base_keeps_no_gathered_weights():
     them), also under reshard_after_forward=false."""
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
 
     config = Qwen2Config(**SHAPES["qwen2.5-7b"])
     with torch.device("meta"):
@@ -302,8 +302,8 @@ def test_the_30b_a3b_preset_counts_its_expert_lora_and_the_fold():
 
     from bench.common import SHAPES
     from lorarl.config.compose import compose
-    from lorarl.memory import lora_numel
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
+    from lorarl.rollout.memory import lora_numel
 
     dims = ModelDims.of(Qwen3MoeConfig(**{k: v for k, v in SHAPES["qwen3-30b-a3b"].items() if k != "model_type"}))
     assert lora_numel(dims, 16, TARGETS[:4], list(EXPERT_TARGETS)) == pytest.approx(643e6, rel=0.005)

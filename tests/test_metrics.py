@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -91,3 +92,67 @@ def test_keys_of_the_recorded_gpu_runs_are_described():
     assert logs, "no recorded GPU metrics.jsonl under tests/gpu_logs"
     for log in logs:
         assert_described(logged_keys(log), str(log.relative_to(ROOT)))
+
+
+# ---- keys are written and read only as lorarl.metrics' constants -------------------------------
+
+GROUPS = {m.key.split("/")[0] for m in METRICS if "/" in m.key}  # actor, data, init, memory, ...
+
+
+def metric_shaped(text: str) -> bool:
+    """Whether a string of code (an f-string's fields as `{}`) spells a logged key: a key of the
+    list or a member of a family (`sync/bytes`, `val/{}/acc/mean@{}`), a first-sync key without its
+    `init/` (`timing/prepare`), or a key built from a group's prefix (`actor/{}`, `val/`,
+    `init/timing/`). A path or a config group that only begins like one (`reward/default`,
+    `rollout/vllm/engine.py`) is not."""
+    text = text.strip("\"'")
+    group, slash, rest = text.partition("/")
+    if not slash or group not in GROUPS or any(c.isspace() for c in text):
+        return False
+    filled = text.replace("{}", "x")
+    return (
+        describe(filled) is not None
+        or describe(f"init/{filled}") is not None
+        or rest.startswith("{}")
+        or text.endswith("/")
+    )
+
+
+def strings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string constant and f-string of a module."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            out.append((node.lineno, text))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.append((node.lineno, node.value))
+    return out
+
+
+def literal_keys(source: str) -> list[str]:
+    return sorted({text for _, text in strings(source) if metric_shaped(text)})
+
+
+def test_no_metric_key_is_a_literal_outside_the_list():
+    """Writers (the trainer, the worker groups, the update, validation) and readers (tracking,
+    plots, the sweep summary, the bench's report) name keys by lorarl.metrics' constants."""
+    found = []
+    for top in ("src", "recipes", "bench"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == ROOT / "src" / "lorarl" / "metrics.py":
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{line}: {text!r}"
+                for line, text in strings(path.read_text())
+                if metric_shaped(text)
+            ]
+    assert found == [], f"metric keys written as literals (use lorarl.metrics' constants): {found}"
+
+
+def test_a_literal_key_is_found():
+    """What the test above exists for."""
+    code = 'a = "sync/bytes"\nb = f"actor/{k}"\nc = k.startswith("val/")\nd = f"val/{s}/reward/mean"\ne = "\\"timing/step\\""\n'
+    assert literal_keys(code) == ['"timing/step"', "actor/", "actor/{}", "sync/bytes", "val/", "val/{}/reward/mean"]
+    assert literal_keys('f = "timing/prepare"\ng = "init/timing/"\n') == ["init/timing/", "timing/prepare"]
+    assert literal_keys('load_group(RewardConfig, "reward/default")\np = "rollout/vllm/engine.py"\n') == []

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.payload import WeightPayload
 from lorarl.errors import ConfigError, SyncError
 from lorarl.sync import transport
 from lorarl.sync.experts import (
@@ -27,7 +28,6 @@ from lorarl.sync.experts import (
     is_moe_checkpoint,
     to_vllm_layout,
 )
-from lorarl.sync.payload import WeightPayload
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -158,8 +158,8 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from lorarl.rollout import vllm_engine_args
-    from lorarl.rollout.vllm import VLLMRollout
+    from lorarl.rollout.vllm import engine_args
+    from lorarl.rollout.vllm.engine import VLLMRollout
 
     model = lora_moe(AutoModelForCausalLM.from_pretrained(tiny_moe_path), rank=1, alpha=3, seed=2)
     tensors = to_vllm_layout(get_peft_model_state_dict(model), expert_wrappers(model))
@@ -168,7 +168,7 @@ def test_expert_adapter_loads_into_the_live_cpu_engine_exactly(tiny_moe_path: Pa
     hf = json.loads((tiny_moe_path / "config.json").read_text())
     hidden, width, experts = hf["hidden_size"], hf["moe_intermediate_size"], hf["num_local_experts"]
     assert is_moe_checkpoint(tiny_moe_path)
-    args = vllm_engine_args.build(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, on_cpu=True)
+    args = engine_args.build(tiny_moe_path, lora_rank=1, max_model_len=128, seed=0, on_cpu=True)
     with VLLMRollout(args, adapter_transport="memory") as rollout:
         rollout.apply(payload)
         held = rollout.held_adapter_sums().shapes  # slot name -> (A shape, B shape)
@@ -210,8 +210,8 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from lorarl.rollout import vllm_engine_args, vllm_lora_write
-    from lorarl.rollout.vllm import VLLMRollout
+    from lorarl.rollout.vllm import engine_args, lora_write
+    from lorarl.rollout.vllm.engine import VLLMRollout
 
     base = AutoModelForCausalLM.from_pretrained(tiny_moe_path)
     model = lora_moe(base, rank=2, alpha=5, seed=3)
@@ -233,7 +233,7 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
     hf = json.loads((tiny_moe_path / "config.json").read_text())
     first, second, third = payload(1), payload(2), payload(3)
     assert len(first.tensors) == hf["num_hidden_layers"] * (2 * len(ATTENTION) + 4)
-    args = vllm_engine_args.build(tiny_moe_path, lora_rank=2, max_model_len=128, seed=0, on_cpu=True)
+    args = engine_args.build(tiny_moe_path, lora_rank=2, max_model_len=128, seed=0, on_cpu=True)
     with VLLMRollout(args, adapter_transport="memory") as rollout:
         rollout.apply(first)
         assert rollout._writes_in_place is None  # the first adapter goes through vLLM's loader
@@ -246,7 +246,7 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
         loaded = rollout.held_adapter_sums()
         assert loaded.names == written.names and torch.equal(loaded.sums, written.sums)
 
-        real = vllm_lora_write.slot_sources
+        real = lora_write.slot_sources
 
         def gate_up_exchanged(*a):
             sources = real(*a)
@@ -254,7 +254,7 @@ def test_expert_stacks_are_written_in_place_exactly_as_vllms_loader_places_them(
             sources[gate], sources[up] = sources[up], sources[gate]
             return sources
 
-        monkeypatch.setattr(vllm_lora_write, "slot_sources", gate_up_exchanged)
+        monkeypatch.setattr(lora_write, "slot_sources", gate_up_exchanged)
         rollout._writes_in_place = None  # as in a new process
         rollout.apply(third)
         assert rollout._writes_in_place is False

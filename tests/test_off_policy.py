@@ -11,8 +11,8 @@ import pytest
 from lorarl.algorithms.ppo import Correction, needs_old_logp
 from lorarl.algorithms.rollout_correction import resolve_is_level
 from lorarl.config.compose import compose
+from lorarl.driver.off_policy import overlap_plan, staleness
 from lorarl.errors import ConfigError, TrainingError
-from lorarl.off_policy import overlap_plan, staleness
 
 RC = "algorithm.rollout_correction"
 

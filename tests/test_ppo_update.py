@@ -9,13 +9,22 @@ import typing
 import pytest
 import torch
 
-from lorarl.algorithms.batch import build_batch, micro_batches, padding_frac, plan_micro_batches, split_to
 from lorarl.algorithms.ppo import AdapterPlan, Correction, is_on_policy, needs_old_logp
 from lorarl.algorithms.ppo import ppo_update as run_ppo_update
 from lorarl.config.compose import compose
-from lorarl.engines.base import Engine, EntropyMode, LossFn, read_metrics
-from lorarl.messages import UpdateReport
-from lorarl.trainer import sampling_of
+from lorarl.contract.engine import (
+    Engine,
+    EntropyMode,
+    LossFn,
+    build_batch,
+    micro_batches,
+    padding_frac,
+    plan_micro_batches,
+    read_metrics,
+    split_to,
+)
+from lorarl.contract.messages import UpdateReport
+from lorarl.driver.jobs import sampling_of
 
 VOCAB, HIDDEN = 32, 8
 
@@ -373,7 +382,7 @@ def test_batch_normalised_weights_and_bypass_mode():
 
 
 def test_update_report_logs_the_updates_keys_unchanged():
-    """What crosses back from the worker is typed (lorarl.messages.UpdateReport); the keys it
+    """What crosses back from the worker is typed (lorarl.contract.messages.UpdateReport); the keys it
     logs are the update's own, with the same values in the same order (the rollout correction's
     first, as the loss reports them), then the worker's timings."""
     key = "algorithm.rollout_correction"

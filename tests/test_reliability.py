@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from lorarl.checkpoint import is_complete
 from lorarl.data.arith import make_rows
 from lorarl.data.dataset import write_parquet
+from lorarl.files.checkpoint import is_complete
 from tests.test_metrics import assert_described
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,15 +95,16 @@ def trainer_error(cache: Path, monkeypatch, out_dir: Path, *overrides: str):
     from hydra import compose
 
     from lorarl.config.compose import to_run_config
+    from lorarl.driver.jobs import Job
+    from lorarl.driver.trainer import GRPOTrainer
     from lorarl.errors import LorarlError
-    from lorarl.trainer import GRPOTrainer
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():
         cfg = compose("grpo", overrides=["+backend=fsdp", "trainer.experiment_name=x", *SMALL, *overrides])
     run = to_run_config(cfg)
     with pytest.raises(LorarlError) as err:
-        GRPOTrainer(run, out_dir)
+        GRPOTrainer([Job(run, out_dir)])
     assert "\n" not in str(err.value), str(err.value)
     assert not out_dir.exists(), "the trainer wrote output before failing"
     return err.value
@@ -193,8 +194,8 @@ def test_model_path_given_with_the_default_preset_means_that_model(cache, tmp_pa
     """The tiny-model builder writes only into the lorarl cache: a mistyped path is the usual
     one-line error (no toy model trained in its place), and a user's own model is used as is."""
     from lorarl.config.compose import to_run_config
+    from lorarl.driver.prepare import prepare_model
     from lorarl.models.tiny import MARKER
-    from lorarl.prepare import prepare_model
 
     missing = tmp_path / "typo_model"
     err = trainer_error(cache, monkeypatch, tmp_path / "run", f"model.path={missing}")
@@ -278,9 +279,9 @@ def test_peft_error_inside_the_engine_is_one_line(cache, tmp_path, monkeypatch, 
     from hydra import compose
 
     from lorarl.config.compose import to_run_config
+    from lorarl.driver.prepare import engine_spec
     from lorarl.engines.fsdp import load_lora_model
     from lorarl.errors import ModelError
-    from lorarl.prepare import engine_spec
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():
@@ -301,7 +302,7 @@ def test_unexpected_worker_error_is_one_line_naming_its_traceback_file(tmp_path)
     import ray
 
     from lorarl.errors import ConfigError, TrainingError
-    from lorarl.worker_group import failure_line
+    from lorarl.workers.group import failure_line
 
     def update():
         return {}["actor/pg_loss"]
@@ -326,7 +327,7 @@ def test_unexpected_worker_error_is_one_line_naming_its_traceback_file(tmp_path)
 def test_a_call_past_the_stall_limit_leaves_every_threads_stack_and_a_prompt_one_leaves_nothing(tmp_path):
     import threading
 
-    from lorarl.stall_report import stacks_after, stacks_file
+    from lorarl.workers.stall_report import stacks_after, stacks_file
 
     path = stacks_file(tmp_path, 3)
     assert path.name == "worker_stacks_rank3.txt"
@@ -389,7 +390,7 @@ def test_model_code_is_not_run_without_trust_remote_code(cache, tmp_path):
     error_line(out, "model.trust_remote_code=true")
     assert not marker.exists(), "the model's own code ran although model.trust_remote_code is false"
     # The flag is what gates it: set, the same folder's code runs.
-    load = f"from lorarl.preflight import load_hf_config; load_hf_config({str(model)!r}, trust_remote_code=True)"
+    load = f"from lorarl.driver.preflight import load_hf_config; load_hf_config({str(model)!r}, trust_remote_code=True)"
     ran = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert marker.exists()
@@ -727,7 +728,7 @@ def test_stalled_worker_is_reported_and_a_killed_one_stops_the_run_within_15_s(c
 
 
 def test_adapter_folders_of_dead_processes_are_removed_at_start(tmp_path):
-    from lorarl.rollout.engine_process import ADAPTER_DIR_PREFIX, remove_stale_adapter_dirs
+    from lorarl.rollout.vllm.engine_process import ADAPTER_DIR_PREFIX, remove_stale_adapter_dirs
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -804,9 +805,9 @@ def test_liger_kernel_resolves_per_device_and_refuses_cpu(cache, monkeypatch, ti
     from hydra import compose
 
     from lorarl.config.compose import to_run_config
+    from lorarl.driver.prepare import engine_spec
     from lorarl.engines.liger import apply_liger_kernel
     from lorarl.errors import ConfigError
-    from lorarl.prepare import engine_spec
 
     monkeypatch.setenv("LORARL_CACHE", str(cache))
     with composing():

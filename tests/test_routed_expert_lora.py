@@ -84,9 +84,9 @@ def test_the_comparison_sees_a_misplaced_factor(model_and_ids, fault):
 
 def test_the_fsdp_engine_routes_expert_lora_when_asked(lorarl_cache):
     from lorarl.config.compose import compose
+    from lorarl.driver.prepare import engine_spec
     from lorarl.engines.fsdp import load_lora_model
     from lorarl.models.tiny import default_tiny_model_path, ensure_tiny_model
-    from lorarl.prepare import engine_spec
 
     tiny_moe_path = ensure_tiny_model(default_tiny_model_path(arch="qwen3_moe"), arch="qwen3_moe")
 

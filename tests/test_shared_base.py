@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.messages import SyncRequest
 from lorarl.errors import ConfigError, SyncError
-from lorarl.messages import SyncRequest
-from lorarl.peft_io import load_peft_adapter
+from lorarl.files.peft_io import load_peft_adapter
 from tests.test_fsdp_engine import ROOT, torchrun
 from tests.test_sync_faults import make_worker, move_adapter
 
@@ -72,7 +72,7 @@ def differing(model: torch.nn.Module, path: Path) -> list[str]:
 def unshared(worker) -> list[str]:
     """Trainer base parameters whose storage span differs from the one vLLM computes with, read
     afresh from the live engine (expected side: vLLM's own parameters, not the engine's binding)."""
-    from lorarl.rollout.vllm_base_views import engine_base_views, storage_spans
+    from lorarl.rollout.vllm.base_views import engine_base_views, storage_spans
 
     engine = storage_spans(engine_base_views(worker.rollout))
     frozen = {hf_name(n): p for n, p in worker.engine.model.named_parameters() if not p.requires_grad}
@@ -81,7 +81,7 @@ def unshared(worker) -> list[str]:
 
 def vllm_param_addresses(worker) -> set[int]:
     """Storage addresses of every parameter vLLM's model holds (its own listing)."""
-    from lorarl.rollout.vllm_worker import vllm_worker
+    from lorarl.rollout.vllm.in_worker import vllm_worker
 
     def read(w):
         return {p.untyped_storage().data_ptr() for p in vllm_worker(w).model_runner.get_model().parameters()}
@@ -91,9 +91,9 @@ def vllm_param_addresses(worker) -> set[int]:
 
 def train_step(worker, step: int) -> dict:
     """A real update of the trainer (ppo_update on its own log-probs), then the worker's sync."""
-    from lorarl.algorithms.batch import build_batch
     from lorarl.algorithms.ppo import AdapterPlan, ppo_update
-    from lorarl.messages import Sampling
+    from lorarl.contract.engine import build_batch
+    from lorarl.contract.messages import Sampling
     from tests.distributed.fsdp_engine_check import PROMPTS, RESPONSES
 
     engine = worker.engine
@@ -157,7 +157,7 @@ def check_shared_through_training(w, checkpoint: Path) -> None:
 def test_a_view_of_the_wrong_rows_is_seen_and_stopped_by_the_probe(cache):
     """The fault the sharing must never carry: layer 0's q_proj bound to layer 1's rows."""
     from lorarl.engines.shared_base import bind
-    from lorarl.rollout.vllm_base_views import engine_base_views
+    from lorarl.rollout.vllm.base_views import engine_base_views
 
     w = make_worker("qwen2_tiny", cache)
     try:
@@ -231,7 +231,7 @@ def compose_run(*overrides: str):
     ],
 )
 def test_auto_falls_back_and_true_is_a_config_error(overrides, why):
-    from lorarl.engines.shared_base import plan_base
+    from lorarl.driver.base_plan import plan_base
 
     plan = plan_base(compose_run(*overrides))
     assert not plan.shared and why in str(plan) and "two copies" in str(plan)
@@ -240,7 +240,7 @@ def test_auto_falls_back_and_true_is_a_config_error(overrides, why):
 
 
 def test_runtime_reasons_dtype_and_moe_on_cpu():
-    from lorarl.engines.shared_base import plan_base
+    from lorarl.driver.base_plan import plan_base
 
     run = compose_run()
     assert plan_base(run, "cpu", "float32", False).shared
@@ -262,7 +262,7 @@ def test_default_recipe_trains_the_same_with_one_copy_or_two(run_cache, tmp_path
     lengths, losses, gradient norm, learning rate) identical, the log lines say which layout ran.
     vLLM's own log-probs (rollout_corr/*, the probe's sync/logprob_diff_*) may differ in float32
     roundoff: sharing makes vLLM's CPU linears compute with torch's linear instead of its oneDNN
-    kernels (lorarl.rollout.vllm_base_views); the sampled tokens are the same."""
+    kernels (lorarl.rollout.vllm.base_views); the sampled tokens are the same."""
     from tests.test_grpo_e2e import grpo, metrics
 
     runs = {}
@@ -316,7 +316,7 @@ def test_base_plan_reads_the_checkpoint_dtype_and_experts(tiny_model_path, tmp_p
     shares on a GPU, since vLLM then serves it in bfloat16; a MoE config on CPU does not."""
     from transformers import Qwen2Config, Qwen3MoeConfig
 
-    from lorarl.engines.shared_base import plan_for_run
+    from lorarl.driver.base_plan import plan_for_run
 
     cpu, cuda = "cpu", "cuda"
     assert plan_for_run(compose_run(f"model.path={tiny_model_path}"), cpu).shared
@@ -337,7 +337,7 @@ def test_data_parallel_plan_says_what_each_layout_needs_per_gpu(tiny_model_path)
     each of the seven projections of every layer) and the bytes against the checkpoint's files."""
     from transformers import AutoConfig
 
-    from lorarl.engines.shared_base import LayoutBytes, layout_bytes, plan_for_run
+    from lorarl.driver.base_plan import LayoutBytes, layout_bytes, plan_for_run
 
     run = compose_run(f"model.path={tiny_model_path}", "trainer.n_gpus_per_node=2")
     c = AutoConfig.from_pretrained(tiny_model_path)

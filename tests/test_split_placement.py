@@ -10,9 +10,9 @@ import json
 import pytest
 
 from lorarl.config.compose import compose
-from lorarl.engines.shared_base import plan_base
+from lorarl.driver.base_plan import plan_base
+from lorarl.driver.prepare import rollout_engines
 from lorarl.errors import ConfigError
-from lorarl.prepare import rollout_engines
 
 SPLIT = "trainer.placement=split"
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.payload import WeightPayload
 from lorarl.errors import SyncError
-from lorarl.rollout import vllm_engine_args
-from lorarl.rollout.vllm import VLLMRollout
+from lorarl.rollout.vllm import engine_args
+from lorarl.rollout.vllm.engine import VLLMRollout
 from lorarl.sync import fingerprint as fingerprints
 from lorarl.sync import probe, transport
 from lorarl.sync.fingerprint import ZERO, Fingerprint, combine, fingerprint
-from lorarl.sync.payload import WeightPayload
 from lorarl.sync.probe import FP32_BOUNDS, HALF_BOUNDS, ProbeReading, judge_probe
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,7 +149,7 @@ def mutated(payload: WeightPayload, edit) -> WeightPayload:
 
 @pytest.fixture(scope="module", params=["tmpfs", "memory"])
 def rollout(request, tiny_model_path: Path):
-    args = vllm_engine_args.build(tiny_model_path, lora_rank=8, max_model_len=128, seed=0, on_cpu=True)
+    args = engine_args.build(tiny_model_path, lora_rank=8, max_model_len=128, seed=0, on_cpu=True)
     r = VLLMRollout(args, adapter_transport=request.param)
     yield r
     r.shutdown()
@@ -221,7 +221,7 @@ def test_untargeted_modules_must_hold_zeros_and_lower_rank_pads(rollout, tiny_mo
 
 def _bump_norm(worker) -> None:
     """Inside vLLM's worker: change one stored bit of a layer norm, as a lost write would."""
-    from lorarl.rollout.vllm_worker import vllm_worker
+    from lorarl.rollout.vllm.in_worker import vllm_worker
 
     model = vllm_worker(worker).model_runner.get_model()
     weight = dict(model.named_parameters())["model.layers.1.post_attention_layernorm.weight"]
@@ -235,7 +235,7 @@ def test_merged_weights_fingerprint(tiny_model_path: Path, peft_model):
             if "lora_B" in name:
                 p.normal_(0, 0.1)
     state = merged.merge_and_unload().state_dict()
-    args = vllm_engine_args.build(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, on_cpu=True)
+    args = engine_args.build(tiny_model_path, lora_rank=None, max_model_len=128, seed=0, on_cpu=True)
     with VLLMRollout(args, fingerprint_base=True) as r:
         r.apply(WeightPayload.base(state.items()))
         match, checked = transport.verify_weights(r, rank=0)

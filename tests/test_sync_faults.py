@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.messages import SyncRequest
 from lorarl.errors import ConfigError, LorarlError, SyncError
-from lorarl.messages import SyncRequest
 from lorarl.sync import semantic
 from lorarl.sync.faults import FAULTS, SyncFault
 from tests import workers
@@ -107,7 +107,7 @@ def test_correct_export_passes_fresh_and_moved(worker):
     # The self-test put the trained factors back bit for bit: B is still exactly zero.
     assert all(not v.any() for k, v in worker.engine.lora_state().items() if "lora_B" in k)
     # The self-test's adapter went through vLLM's loader; the trained one was written in place,
-    # after the writer was shown to leave what that loader leaves (lorarl.rollout.vllm_lora_write).
+    # after the writer was shown to leave what that loader leaves (lorarl.rollout.vllm.lora_write).
     assert worker.rollout._writes_in_place is True
     move_adapter(worker, seed=1)
     out = worker.sync(SyncRequest(step=1, last=False))[0]
@@ -117,14 +117,14 @@ def test_correct_export_passes_fresh_and_moved(worker):
 def test_vllms_side_reads_the_same_with_every_slot_alone(worker, monkeypatch):
     """The observed side stacks the slots of one shape (vLLM runs in this process): one slot per
     stack reads the same values."""
-    from lorarl.rollout import vllm_lora_slots
+    from lorarl.rollout.vllm import lora_slots
 
     move_adapter(worker, seed=1)
     expected = worker.engine.lora_projections()
     first_sync(worker, None)
     wanted = semantic.wanted_slots(expected, worker.rollout.adapter_layout())
     stacked = worker.rollout.lora_projections(wanted)
-    monkeypatch.setattr(vllm_lora_slots, "STACK_BYTES", 1)
+    monkeypatch.setattr(lora_slots, "STACK_BYTES", 1)
     alone = worker.rollout.lora_projections(wanted)
     assert stacked[2] == alone[2] == [] and torch.equal(stacked[1], alone[1])
     torch.testing.assert_close(stacked[0], alone[0], rtol=1e-12, atol=0)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.messages import SyncRequest
 from lorarl.errors import SyncError
-from lorarl.messages import SyncRequest
 from lorarl.sync import semantic
 from lorarl.sync.faults import FAULTS, SyncFault
 from tests.test_sync_faults import (

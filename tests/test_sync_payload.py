@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lorarl.config.schema import VLLM_LORA_RANKS, vllm_lora_rank
+from lorarl.contract.messages import SyncReport
+from lorarl.contract.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.errors import ConfigError, SyncError
-from lorarl.messages import SyncReport
-from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -205,7 +205,7 @@ def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
     """vLLM 0.26 on GPU: LoRA wrappers keep the wrapped weight under `.base_layer` and load no
     plain names; which modules are wrapped depends on the model (Qwen3's embed_tokens is, as
     the Qwen3-0.6B GPU run's level-2 resend showed; Qwen2's is not). The live names decide."""
-    from lorarl.rollout.vllm_names import resolve_base_name
+    from lorarl.rollout.vllm.names import resolve_base_name
 
     live_qwen3 = frozenset(
         {
@@ -234,7 +234,7 @@ def test_base_names_get_base_layer_exactly_where_the_live_engine_wraps():
 def test_expert_stacks_hold_every_expert_at_the_adapters_rank():
     """An expert stack (PEFT's ParamWrapper factors) holds r rows per expert; the payload names its
     stacks, and a stack of the wrong height or one the tensors lack is refused by name."""
-    from lorarl.sync.experts import ExpertWrapper
+    from lorarl.contract.payload import ExpertWrapper
 
     stem = "base_model.model.model.layers.0.mlp.experts.base_layer"
     stacks = {stem: ExpertWrapper(stem, "gate_up_proj", 4)}

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.messages import SyncRequest
+from lorarl.contract.payload import WeightPayload
 from lorarl.errors import SyncError
-from lorarl.messages import SyncRequest
-from lorarl.sync.payload import WeightPayload
 from lorarl.sync.probe import FP32_BOUNDS
 from tests.test_sync_faults import make_worker
 from tests.test_sync_faults import move_adapter as moved_adapter

@@ -195,8 +195,8 @@ def test_qwen3_qk_norms_are_refused_as_lora_targets(qwen3_path: Path):
     """FSDP/PEFT side of "q_norm/k_norm are base weights": the preflight names the module type."""
     from transformers import AutoConfig
 
+    from lorarl.driver.preflight import check_lora_targets
     from lorarl.errors import ModelError
-    from lorarl.preflight import check_lora_targets
 
     cfg = AutoConfig.from_pretrained(qwen3_path)
     check_lora_targets(str(qwen3_path), cfg, ["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -10,8 +10,8 @@ from lorarl.config.compose import load_group
 from lorarl.config.schema import RewardConfig
 from lorarl.data import token_share as task
 from lorarl.data.dataset import PromptItem, build_prompts, load_rows
+from lorarl.driver.evaluation import validation_metrics
 from lorarl.errors import DataError
-from lorarl.evaluation import validation_metrics
 from lorarl.rewards import RESPONSE_IDS, check_items, compute_score, get_reward_fn, token_share
 
 # Subset 0's members among ids 0-63, recorded when the subset was defined: a changed hash changes

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from lorarl.plot import plot
-from lorarl.sweep import write_summary
-from lorarl.tracking import Tracker, read_metrics, redact
+from lorarl.telemetry.plot import plot
+from lorarl.telemetry.sweep import write_summary
+from lorarl.telemetry.tracking import Tracker, read_metrics, redact
 
 
 def test_jsonl_rows_and_plots(tmp_path):
@@ -40,7 +40,7 @@ def test_jsonl_rows_and_plots(tmp_path):
 
 
 def test_reward_plot_smooths_and_marks_validation(tmp_path):
-    from lorarl.plot import moving_average
+    from lorarl.telemetry.plot import moving_average
 
     assert moving_average([1.0, 0.0, 1.0, 0.0], window=2) == [1.0, 0.5, 0.5, 0.5]
     assert moving_average([0.2] * 30)[-1] == pytest.approx(0.2)
@@ -55,7 +55,7 @@ def test_reward_plot_smooths_and_marks_validation(tmp_path):
 
 
 def test_plot_cli_rejects_a_folder_without_metrics(tmp_path):
-    from lorarl.plot import main
+    from lorarl.telemetry.plot import main
 
     assert main([str(tmp_path)]) == 1
 
@@ -143,7 +143,7 @@ def test_tensorboard_logger_writes_the_scalars(tmp_path):
 def test_a_logger_without_its_package_names_the_extra(logger, monkeypatch):
     """The package is made unimportable (None in sys.modules is Python's own marker for that)."""
     from lorarl.errors import ConfigError
-    from lorarl.tracking import check_loggers
+    from lorarl.telemetry.tracking import check_loggers
 
     check_loggers(["console", "jsonl", logger])  # installed: no error
     monkeypatch.setitem(sys.modules, logger, None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lorarl.trainer import sampling_seed
+from lorarl.driver.rollouts import sampling_seed
 
 
 def test_seeds_differ_across_shards_and_steps_and_repeat_per_run():

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorarl.contract.payload import PayloadKind, WeightPayload
 from lorarl.data import arith
 from lorarl.errors import ConfigError, SyncError
 from lorarl.models.tiny import prompt_ids
-from lorarl.rollout import vllm_engine_args
-from lorarl.rollout.vllm import VLLMRollout
-from lorarl.sync.payload import PayloadKind, WeightPayload
+from lorarl.rollout.vllm import engine_args
+from lorarl.rollout.vllm.engine import VLLMRollout
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOGPROB_TOL = 1e-3
@@ -26,9 +26,9 @@ MAX_LEN = 128
 
 
 def make_rollout(path: Path, adapter_transport: str = "tmpfs", **kw) -> VLLMRollout:
-    """`kw`: engine arguments (vllm_engine_args.build)."""
+    """`kw`: engine arguments (engine_args.build)."""
     kw.setdefault("lora_rank", 8)
-    args = vllm_engine_args.build(path, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
+    args = engine_args.build(path, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
     return VLLMRollout(args, adapter_transport=adapter_transport)
 
 
@@ -250,9 +250,10 @@ def merged_rollout(tiny_model_path: Path):
     r.shutdown()
 
 
-def test_engine_kwargs_reach_vllm_and_lorarls_own_are_refused(merged_rollout):
+def test_engine_kwargs_reach_vllm_and_lorarls_own_are_refused(merged_rollout, tiny_model_path):
+    from lorarl.config.validate import SET_BY_LORARL
+    from lorarl.contract.specs import merged
     from lorarl.errors import ConfigError
-    from lorarl.rollout.vllm_engine_args import merged
 
     assert merged_rollout._llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 4
     # A compilation_config mapping adds to lorarl's keys; the user's win where both set one.
@@ -263,10 +264,17 @@ def test_engine_kwargs_reach_vllm_and_lorarls_own_are_refused(merged_rollout):
         "async_scheduling": True,
         "compilation_config": {"cudagraph_specialize_lora": False, "mode": 3, "cudagraph_capture_sizes": [8]},
     }
+
+    def build(**kw):
+        return engine_args.build(tiny_model_path, lora_rank=8, max_model_len=MAX_LEN, seed=0, on_cpu=True, **kw)
+
     with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.max_lora_rank: .* set model.lora.rank instead"):
-        merged(ours, {"max_lora_rank": 8})
+        build(engine_kwargs={"max_lora_rank": 8})
     with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.logprobs_mode: lorarl fixes .*; remove it"):
-        merged(ours, {"logprobs_mode": "raw_logprobs"})
+        build(engine_kwargs={"logprobs_mode": "raw_logprobs"})
+    # Every argument lorarl passes is one the config refuses in rollout.engine_kwargs, but
+    # compilation_config: lorarl sets one key of it, and the user's keys merge in.
+    assert set(build(tensor_parallel_size=2).kwargs) - {"compilation_config"} <= set(SET_BY_LORARL)
 
 
 def test_merged_mode_matches_hf_peft_merged(merged_rollout, peft_model, hf_base, prompts):
@@ -383,7 +391,7 @@ def test_memory_transport_name_mapper_keeps_renames_and_drops_fusion():
     directory loader does (0.32 names that variant get_rename_mapper, 0.26 get_unstacked_mapper)."""
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from lorarl.rollout.vllm_worker import lora_name_mapper
+    from lorarl.rollout.vllm.in_worker import lora_name_mapper
 
     full = WeightsMapper(
         orig_to_new_prefix={"model.": "language_model.model."}, orig_to_new_stacked={".q_proj": (".qkv_proj", "q")}

@@ -18,9 +18,9 @@ def make_worker(*overrides: str, device: str = "cpu", cache: Path | None = None)
     from hydra.core.global_hydra import GlobalHydra
 
     from lorarl.config.compose import to_run_config
-    from lorarl.messages import Rendezvous
-    from lorarl.prepare import prepare_model, worker_spec
-    from lorarl.worker import Worker
+    from lorarl.contract.messages import Rendezvous
+    from lorarl.driver.prepare import prepare_model, worker_spec
+    from lorarl.workers.worker import Worker
 
     if cache is not None:
         os.environ["LORARL_CACHE"] = str(cache)

@@ -28,10 +28,10 @@ def local_hf_config(path: str, trust_remote_code: bool):
 
 def split_costs(run, hf, splits: dict[str, int]) -> list[str]:
     """What holding whole sequences costs where verl split them: lorarl's estimate of the
-    update's peak on one device (lorarl.memory), of which verl's split holds about 1/N of the
+    update's peak on one device (lorarl.rollout.memory), of which verl's split holds about 1/N of the
     activations."""
-    from lorarl.memory import GIB, ModelDims
-    from lorarl.prepare import run_update_bytes
+    from lorarl.driver.prepare import run_update_bytes
+    from lorarl.rollout.memory import GIB, ModelDims
 
     mp = run.backend.model_parallel_size()
     need = run_update_bytes(run, ModelDims.of(hf), max(1, run.world_size // mp), mp)
@@ -56,7 +56,7 @@ def run_checks(overrides: list[str], splits: dict[str, int] | None = None) -> li
     line each; raises LorarlError on a problem."""
     from lorarl.config.compose import compose
     from lorarl.config.validate import check_model_shape_of
-    from lorarl.preflight import check_engine_kwargs
+    from lorarl.driver.preflight import check_engine_kwargs
 
     run = compose(overrides)
     done = ["lorarl's config validation (every group's checks and the cross-group ones)"]

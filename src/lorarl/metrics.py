@@ -1,10 +1,13 @@
 """Every key a run writes to metrics.jsonl: its meaning, unit and the side that computes it.
 
-METRICS is the one list, and the code logs from it: each entry is a named constant here
-(`ACTOR_PG_LOSS`), the reports that turn a step's results into logged keys (lorarl.messages) and
-the PPO update (lorarl.algorithms.ppo) take their keys from those constants, and a key built at
-run time (a loss's own actor/* names, the rollout correction's) passes `checked`, so a key this
-list lacks cannot be logged. docs/metrics.md is generated from it (`python -m lorarl.metrics >
+METRICS is the one list, and the code writes and reads keys only through it: each entry is a
+named constant here (`ACTOR_PG_LOSS`); the reports that turn a step's results into logged keys
+(lorarl.contract.messages), the PPO update, the trainer and the worker groups write with those
+constants, and the trackers, the plots, the sweep summary and the bench read with them
+(tests/test_metrics.py fails on a key written as a literal anywhere else). A member of a family
+is `Metric.format` of its template; a measure that an algorithm names itself (a loss's own
+actor/* names, the rollout correction's) becomes a key through `actor_key` / `rollout_corr_key`,
+which pass `checked`, so a key this list lacks cannot be logged. docs/metrics.md is generated from it (`python -m lorarl.metrics >
 docs/metrics.md`). A key holding `{name}` placeholders stands for a family
 (`val/{source}/acc/mean@{n}`); a placeholder matches any text, data sources such as
 `openai/gsm8k` included. The first sync's keys, logged once at step 0, carry an `init/` prefix
@@ -33,6 +36,10 @@ class Metric:
     # When it is logged: "" when the default run logs it (every step, or at its validation or
     # probe steps, or once at step 0), else the condition (a setting, the device) it needs.
     when: str = ""
+
+    def format(self, **parts: object) -> str:
+        """The key of one member of a family: `VAL_SOURCE_REWARD_MEAN.format(source="gsm8k")`."""
+        return self.key.format(**parts)
 
 
 M = Metric
@@ -380,6 +387,26 @@ def checked(key: str) -> str:
     if describe(key) is None:
         raise KeyError(f"{key}: not a key of lorarl.metrics.METRICS; describe it there before logging it")
     return key
+
+
+def init_key(key: str) -> str:
+    """`key` of the first sync as it is logged once, at step 0 (`init/sync/bytes`)."""
+    return checked(f"init/{key}")
+
+
+def actor_key(name: str) -> str:
+    """The logged key of a measure a policy loss names itself (lorarl.algorithms.losses: `pg_clipfrac`)."""
+    return checked(f"actor/{name}")
+
+
+def rollout_corr_key(name: str) -> str:
+    """The logged key of a measure of the rollout correction (lorarl.algorithms.rollout_correction: `kl`)."""
+    return checked(f"rollout_corr/{name}")
+
+
+def is_validation(key: str) -> bool:
+    """Whether `key` is one of a validation pass's (val/*)."""
+    return key.startswith("val/")
 
 
 def markdown() -> str:

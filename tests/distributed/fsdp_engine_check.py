@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
 from lorarl.config.run import RunConfig
+from lorarl.contract.engine import build_batch
+from lorarl.contract.payload import PayloadKind
+from lorarl.driver.prepare import engine_spec
 from lorarl.engines.fsdp import FSDPEngine, peft_name
-from lorarl.prepare import engine_spec
 from lorarl.sync import semantic
-from lorarl.sync.payload import PayloadKind
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
@@ -33,7 +33,7 @@ RESPONSES = [[12, 13, 14], [15, 16, 17, 18]]
 def update(engine, run: RunConfig, batch, step: int) -> dict:
     """The worker's update call (lorarl.algorithms.ppo.ppo_update with the run's sampling facts)."""
     from lorarl.algorithms.ppo import AdapterPlan, Correction, ppo_update
-    from lorarl.trainer import sampling_of
+    from lorarl.driver.jobs import sampling_of
 
     correction = Correction.of(run.algorithm.rollout_correction, engine.device.type)
     return ppo_update(engine, batch, step, [AdapterPlan(run.actor, sampling_of(run), correction)])[0].metrics()

@@ -19,10 +19,10 @@ from fsdp_engine_check import log_probs_at_temperature, update
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch._dynamo.utils import counters
 
-from lorarl.algorithms.batch import build_batch
 from lorarl.config.compose import compose
+from lorarl.contract.engine import build_batch
+from lorarl.driver.prepare import engine_spec
 from lorarl.engines.fsdp import FSDPEngine
-from lorarl.prepare import engine_spec
 
 
 def graph_nodes(root: torch.Tensor, name: str) -> int:

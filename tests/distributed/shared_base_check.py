@@ -4,7 +4,7 @@ the FSDP engine that loads and shards its own base, same LoRA start, same per-ra
     torchrun --standalone --nproc_per_node=2 tests/distributed/shared_base_check.py MODEL OUT [FAULT]
 
 The shared engine's frozen parameters are views of tensors read from the checkpoint's own
-safetensors file (in a worker they are vLLM's; lorarl.rollout.vllm_base_views), so every rank holds
+safetensors file (in a worker they are vLLM's; lorarl.rollout.vllm.base_views), so every rank holds
 the whole base. Writes OUT/result.json (rank 0): per step both engines' metrics, the largest
 difference of the full LoRA gradients before each optimizer step and of the LoRA factors after
 it, and what each engine's FSDP manages. FAULT `wrong_rows` binds layer 0's q_proj to layer 1's
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lorarl.algorithms.batch import build_batch
+from lorarl.contract.engine import build_batch
+from lorarl.driver.prepare import engine_spec
 from lorarl.engines.fsdp import FSDPEngine
-from lorarl.prepare import engine_spec
 
 STEPS = 3
 

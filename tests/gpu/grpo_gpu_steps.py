@@ -142,12 +142,12 @@ def main() -> None:
 
     from bench.common import cache_dir
     from lorarl.algorithms import advantages
+    from lorarl.contract.messages import GenerateRequest, Rendezvous, SyncRequest, UpdateRequest
     from lorarl.data.arith import make_rows
-    from lorarl.messages import GenerateRequest, Rendezvous, SyncRequest, UpdateRequest
-    from lorarl.prepare import worker_spec
+    from lorarl.driver.jobs import sampling_of
+    from lorarl.driver.prepare import worker_spec
     from lorarl.rewards import get_reward_fn
-    from lorarl.trainer import sampling_of
-    from lorarl.worker import Worker
+    from lorarl.workers.worker import Worker
 
     cache = cache_dir(args.cache)
     if rank == 0:
@@ -333,7 +333,7 @@ def _snapshot(worker) -> dict[str, torch.Tensor]:
 
 def _resend(worker) -> tuple:
     """worker.sync with the parity probe measured, not enforced: (SyncReport, probe max diff)."""
-    from lorarl.messages import SyncRequest
+    from lorarl.contract.messages import SyncRequest
     from lorarl.sync import probe
 
     session = worker.sync_sessions[0]

@@ -97,12 +97,12 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from lorarl.algorithms.batch import build_batch
     from lorarl.algorithms.ppo import AdapterPlan, Correction, ppo_update
+    from lorarl.contract.engine import build_batch
+    from lorarl.contract.payload import PayloadKind
+    from lorarl.driver.jobs import sampling_of
+    from lorarl.driver.prepare import engine_spec
     from lorarl.engines.megatron.engine import MegatronEngine
-    from lorarl.prepare import engine_spec
-    from lorarl.sync.payload import PayloadKind
-    from lorarl.trainer import sampling_of
     from tests.gpu.megatron_workers import save_probe_and_result
 
     out = Path(out_dir)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl.messages import SyncRequest
+from lorarl.contract.messages import SyncRequest
 from tests.test_shared_base import differ_from_checkpoint, train_step, unshared
 from tests.workers import make_worker
 

@@ -4,7 +4,7 @@ Run on the accelerator machine after ../shared/tools/gpu-vllm/install.sh + insta
 
     pytest -m gpu tests/gpu/test_sleep_plan_gpu.py -s
 
-The 0.5B shape with vLLM holding 55% of the GPU: lorarl.memory's estimate of the update at the
+The 0.5B shape with vLLM holding 55% of the GPU: lorarl.rollout.memory's estimate of the update at the
 preset's 24576-token budget (54 GiB, 70 with its margin) is more than the ~61 GiB left, so the
 first update runs with the engine asleep. Its measured peak fits, so from the second step on the
 engine stays awake, and the run says so once. LORARL_GPU_LOG_DIR (default

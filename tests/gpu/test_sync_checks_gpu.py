@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorarl.messages import SyncRequest
+from lorarl.contract.messages import SyncRequest
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def moved_adapter(worker, seed: int) -> dict[str, torch.Tensor]:
 
 
 def apply_mutated(worker, lora: dict, edit) -> None:
-    from lorarl.sync.payload import WeightPayload
+    from lorarl.contract.payload import WeightPayload
 
     sent = {k: v.clone() for k, v in lora.items()}
     edit(sent)
@@ -144,9 +144,9 @@ def apply_mutated(worker, lora: dict, edit) -> None:
 
 
 def fingerprint_error(worker, lora: dict) -> str:
+    from lorarl.contract.payload import WeightPayload
     from lorarl.errors import SyncError
     from lorarl.sync import transport
-    from lorarl.sync.payload import WeightPayload
 
     with pytest.raises(SyncError) as err:
         transport.verify_adapter(worker.rollout, WeightPayload.adapter(lora, worker.engine.adapter_config()))

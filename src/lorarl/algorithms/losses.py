@@ -156,7 +156,7 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What an engine's forward hands the loss: log p(label) [B, T] from logits [B, T' >= T, V]
     (position t scores labels[:, t]; later positions are ignored), and the entropy [B, T] as
-    `entropy` asks (lorarl.engines.base.EntropyMode): "metric" from the same float32 blocks, no
+    `entropy` asks (lorarl.contract.engine.EntropyMode): "metric" from the same float32 blocks, no
     graph; "grad" differentiable, part of the loss; "none" None."""
     logp, ent = token_logprobs(logits, labels, temperature, with_entropy=entropy == "metric")
     if entropy == "grad":

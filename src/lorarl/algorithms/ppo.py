@@ -18,12 +18,20 @@ import torch
 from lorarl import metrics as keys
 from lorarl.algorithms import losses
 from lorarl.algorithms import rollout_correction as rcorr
-from lorarl.algorithms.batch import TrainBatch, padded_tokens, padding_frac, plan_micro_batches
 from lorarl.config.algorithm import RolloutCorrectionConfig
 from lorarl.config.schema import ActorConfig
-from lorarl.engines.base import LOSS_KEY, Engine, EntropyMode, LossFn
+from lorarl.contract.engine import (
+    LOSS_KEY,
+    Engine,
+    EntropyMode,
+    LossFn,
+    TrainBatch,
+    padded_tokens,
+    padding_frac,
+    plan_micro_batches,
+)
+from lorarl.contract.messages import PPOStats, Sampling, reduce_metrics
 from lorarl.errors import TrainingError
-from lorarl.messages import PPOStats, Sampling, reduce_metrics
 
 
 def is_on_policy(actor: ActorConfig, train_batch_size: int) -> bool:
@@ -122,7 +130,7 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
                 stats.setdefault(keys.ACTOR_PADDING_FRAC.key, []).append(padding_frac(micro))
                 stats.setdefault(keys.ACTOR_GRAD_NORM.key, []).append(norm)
                 stats.setdefault(keys.ACTOR_MICRO_BATCHES.key, []).append(len(row_sets))
-                # What the update's measured memory peak is scaled from (lorarl.memory.plan_from_peak).
+                # What the update's measured memory peak is scaled from (lorarl.rollout.memory.plan_from_peak).
                 stats.setdefault(keys.ACTOR_MICRO_BATCH_TOKENS_MAX.key, []).append(max(padded_tokens(m) for m in micro))
     out: list[PPOStats | None] = []
     for i, (stats, lr) in enumerate(zip(sums, engine.end_step(), strict=True)):
@@ -222,7 +230,7 @@ def _correct(engine: Engine, batch: TrainBatch, c: Correction) -> tuple[torch.Te
     weights, mask, metrics = rcorr.correct(
         batch.old_logp, batch.rollout_logp, batch.response_mask, c.level, c.threshold, c.rules
     )
-    out = {_correction_key(k): float(v) for k, v in metrics.items()}
+    out = {keys.rollout_corr_key(k): float(v) for k, v in metrics.items()}
     if weights is not None and c.normalize:
         total, count = engine.dp_all_reduce(list(rcorr.batch_mean_weight(weights, batch.response_mask, c.level)))
         mean = total / max(count, 1.0)
@@ -232,14 +240,9 @@ def _correct(engine: Engine, batch: TrainBatch, c: Correction) -> tuple[torch.Te
     return mask, weights, out
 
 
-def _correction_key(name: str) -> str:
-    """The logged key of one of the rollout correction's measures (lorarl.algorithms.rollout_correction)."""
-    return keys.checked(f"rollout_corr/{name}")
-
-
 def _routed_loss(plans: Sequence[AdapterPlan], denoms: list[float]) -> LossFn:
     """The micro-batch's loss: each adapter's PPO loss on its own rows (one contiguous segment per
-    adapter, lorarl.algorithms.batch), summed; metrics keyed (adapter, key). Rows of other adapters
+    adapter, lorarl.contract.engine.TrainBatch.segments), summed; metrics keyed (adapter, key). Rows of other adapters
     never enter an adapter's loss, so its gradient is its own loss's."""
     fns = [_ppo_loss(p.actor, d, p.correction, p.norm_len) for p, d in zip(plans, denoms, strict=True)]
 
@@ -271,7 +274,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
         if mb.rollout_logp is not None and not c.first:
             # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
             weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
-            metrics.update({_correction_key(k): v for k, v in corr.items()})
+            metrics.update({keys.rollout_corr_key(k): v for k, v in corr.items()})
         pg_loss, pg_metrics = losses.policy_loss(
             logp,
             old,
@@ -287,7 +290,7 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
             weights=None if c.bypass else weights,
         )
         loss = pg_loss
-        metrics.update({keys.checked(f"actor/{k}"): v for k, v in pg_metrics.items()})
+        metrics.update({keys.actor_key(k): v for k, v in pg_metrics.items()})
         if entropy is not None:
             if a.entropy_coeff != 0.0:
                 loss = loss - a.entropy_coeff * losses.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)

@@ -9,5 +9,5 @@ compose     conf/grpo.yaml -> RunConfig through Hydra; importing it registers th
 
 The checks of the model itself and of the installed vLLM (config.json, vLLM's model registry and
 engine arguments) are not here: they read files and ask vLLM, not the config, and live in
-lorarl.preflight.
+lorarl.driver.preflight.
 """

@@ -218,14 +218,14 @@ class RolloutConfig:
     # null: CUDA graphs on GPU (false), eager on CPU (true).
     enforce_eager: bool | None = MISSING
     # vLLM sleep mode during the update (GPU only). null: sleep only when the update would not
-    # fit beside the awake engine (lorarl.memory estimates it; the decision is logged).
+    # fit beside the awake engine (lorarl.rollout.memory estimates it; the decision is logged).
     free_cache_engine: bool | None = MISSING
     dtype: str = MISSING
     max_model_len: int | None = MISSING
     # tmpfs: PEFT folder in /dev/shm loaded by path. memory: tensors handed to vLLM directly.
     adapter_transport: str = MISSING
     # vLLM engine arguments by vLLM's names (vllm.EngineArgs), passed through as given; the
-    # ones lorarl sets from its own keys are refused (lorarl.rollout.vllm_engine_args).
+    # ones lorarl sets from its own keys are refused (lorarl.rollout.vllm.engine_args).
     engine_kwargs: dict[str, Any] = MISSING
     # trainer.placement=split: how many rollout workers (one vLLM engine and one device each) sit
     # beside the trainer's; null there means 1. Colocated, every trainer worker holds the rollout, so
@@ -399,7 +399,7 @@ class TrainerConfig:
     progress_bar: bool = MISSING
     # A worker call (set-up, generation, update, sync, checkpoint) running longer than this
     # writes each worker's Python stacks to the run folder and the driver says so; the call
-    # goes on (lorarl.stall_report). null: never.
+    # goes on (lorarl.workers.stall_report). null: never.
     stall_report_s: float | None = MISSING
 
     @property

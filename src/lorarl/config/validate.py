@@ -1,5 +1,8 @@
 """Validation of the run config: keys no schema defines, each group's own checks, then the ones
-that need several groups.
+that need several groups: among them the vLLM engine arguments lorarl sets from its own keys,
+which rollout.engine_kwargs may not name (SET_BY_LORARL), and what rules out one copy of the
+frozen base (backend.share_base; the driver adds what needs the device, lorarl.driver.base_plan).
+These are answered from the config alone, so the config asks neither a backend nor the rollout.
 
 Each check raises ConfigError with one line naming the key and what to do. `check_known_keys`
 and `validate` run on every composed config before the trainer starts anything;
@@ -13,11 +16,33 @@ import dataclasses
 import difflib
 from typing import Any
 
-from lorarl.config.backends import MegatronBackendConfig
+from lorarl.config.backends import FSDPBackendConfig, MegatronBackendConfig
 from lorarl.config.run import GROUPS, RunConfig
 from lorarl.config.schema import SEND_FAULTS
 from lorarl.errors import ConfigError, check
-from lorarl.rollout.vllm_engine_args import check_not_set_by_lorarl
+
+# vLLM's engine arguments that lorarl sets (lorarl.contract.specs.LLMArgs), and the key that sets
+# each ("" when it is fixed: the reason). rollout.engine_kwargs may name any other of them.
+SET_BY_LORARL: dict[str, tuple[str, str]] = {
+    "model": ("model.path", ""),
+    "tokenizer": ("model.path", ""),
+    "dtype": ("rollout.dtype", ""),
+    "seed": ("trainer.seed", ""),
+    "max_model_len": ("rollout.max_model_len", ""),
+    "tensor_parallel_size": ("rollout.tensor_model_parallel_size", ""),
+    "enable_expert_parallel": ("rollout.enable_expert_parallel", ""),
+    "load_format": ("rollout.load_format", ""),
+    "enforce_eager": ("rollout.enforce_eager", ""),
+    "enable_sleep_mode": ("rollout.free_cache_engine", ""),
+    "gpu_memory_utilization": ("rollout.gpu_memory_utilization", ""),
+    "kv_cache_memory_bytes": ("rollout.gpu_memory_utilization", ""),
+    "trust_remote_code": ("model.trust_remote_code", ""),
+    "enable_lora": ("model.lora.merge", ""),
+    "max_lora_rank": ("model.lora.rank", ""),
+    "max_loras": ("", "the engine serves one LoRA slot per adapter the run trains (hydra/launcher=shared_base)"),
+    "logprobs_mode": ("", "the trainer compares its log-probs with vLLM's after the temperature"),
+    "distributed_executor_backend": ("", "each worker holds its engine in its own process"),
+}
 
 
 def check_known_keys(config: Any) -> None:
@@ -28,7 +53,7 @@ def check_known_keys(config: Any) -> None:
     attribute of the typed object that nothing reads: a misspelt key would be silently ignored.
     Every dataclass-typed group is closed. A field typed as a dict is a pass-through map whose keys
     are another program's and stay open: rollout.engine_kwargs (vLLM's engine arguments, checked
-    against the installed vLLM by lorarl.preflight) and backend.override_transformer_config
+    against the installed vLLM by lorarl.driver.preflight) and backend.override_transformer_config
     (Megatron's TransformerConfig fields).
     """
     children: dict[str, list[str]] = {}
@@ -109,14 +134,51 @@ def validate(run: RunConfig) -> None:
     if isinstance(run.backend, MegatronBackendConfig):
         check_megatron(run)
     check_placement(run)
-    from lorarl.engines.shared_base import plan_base
+    check_share_base(run, base_not_shareable(run))
 
-    plan_base(run)  # backend.share_base=true where the config alone rules it out
+
+def check_not_set_by_lorarl(engine_kwargs: dict[str, Any]) -> None:
+    """ConfigError for the first engine argument in rollout.engine_kwargs that lorarl sets from a key of its own."""
+    for name in engine_kwargs:
+        if name in SET_BY_LORARL:
+            key, fixed = SET_BY_LORARL[name]
+            raise ConfigError(
+                f"rollout.engine_kwargs.{name}: lorarl sets vLLM's {name} from {key}; set {key} instead"
+                if key
+                else f"rollout.engine_kwargs.{name}: lorarl fixes vLLM's {name} ({fixed}); remove it"
+            )
+
+
+def base_not_shareable(run: RunConfig) -> str | None:
+    """Why the config alone rules out one copy of the frozen base (backend.share_base), or None.
+    The driver adds the reasons that need the device, vLLM's dtype and the checkpoint
+    (lorarl.driver.base_plan)."""
+    b, r, m = run.backend, run.rollout, run.model
+    if run.trainer.placement == "split":
+        return "trainer.placement=split puts vLLM on devices of its own, so the trainer cannot view its weights"
+    if not isinstance(b, FSDPBackendConfig):
+        return "the Megatron backend holds its own copy"
+    if m.lora.merge:
+        return "model.lora.merge=true writes merged weights into vLLM's base every step"
+    if r.tensor_model_parallel_size > 1:
+        return f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} splits vLLM's weights over ranks"
+    if r.load_format == "dummy":
+        return "rollout.load_format=dummy starts vLLM without the base, which the trainer then sends"
+    if b.param_offload:
+        return "backend.param_offload=true keeps the trainer's sharded base in host memory"
+    return None
+
+
+def check_share_base(run: RunConfig, why: str | None) -> None:
+    """backend.share_base=true where `why` rules sharing out: one line naming the key (auto falls
+    back to two copies and says why; lorarl.driver.base_plan)."""
+    if why is not None and getattr(run.backend, "share_base", False) is True:
+        raise ConfigError(f"backend.share_base=true cannot apply: {why}; set backend.share_base=auto or false")
 
 
 def check_placement(run: RunConfig) -> None:
     """trainer.placement=split: training workers and vLLM workers on devices of their own, the
-    adapter sent through Ray (lorarl.split.group). What it cannot do soundly is refused by key."""
+    adapter sent through Ray (lorarl.workers.split_group). What it cannot do soundly is refused by key."""
     t, r = run.trainer, run.rollout
     if t.placement != "split":
         check(

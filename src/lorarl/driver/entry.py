@@ -31,7 +31,7 @@ def _on_signal(signum: int, frame) -> None:
 def as_command():
     """Run the block as the command the user launched: signals become an orderly shutdown, a
     LorarlError one line on stderr and exit 2, an interruption exit 128 + the signal."""
-    from lorarl.tracking import console
+    from lorarl.telemetry.tracking import console
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

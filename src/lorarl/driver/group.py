@@ -1,7 +1,7 @@
 """A sweep's group trained on one base: the entry the shared-base launcher calls per group.
 
 hydra_plugins.lorarl_launcher.shared_base makes each job's folder as Hydra's basic launcher
-would, then hands the group here: one GRPOTrainer over every job (lorarl.trainer), run as a
+would, then hands the group here: one GRPOTrainer over every job (lorarl.driver.trainer), run as a
 command (lorarl.driver.entry: a mistake ends the sweep in one line, exit 2, as a failing job does
 under the basic launcher). What comes back per job is its last mean reward, or None for a job
 that ended alone (its folder's grpo.log and ended.txt say why).
@@ -15,7 +15,7 @@ from lorarl.errors import LorarlError
 
 
 def run_group(jobs: list[Job]) -> list[float | None]:
-    from lorarl.trainer import GRPOTrainer
+    from lorarl.driver.trainer import GRPOTrainer
 
     with as_command():
         trainer = GRPOTrainer(jobs)

@@ -15,8 +15,8 @@ from typing import Any
 
 from lorarl import metrics as keys
 from lorarl.config.run import RunConfig
-from lorarl.messages import Sampling
-from lorarl.tracking import Tracker
+from lorarl.contract.messages import Sampling
+from lorarl.telemetry.tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def sampling_of(run: RunConfig) -> Sampling:
 
 
 class AdapterRun:
-    """The driver's side of one job: its checked inputs (lorarl.prepare), its sampling, its
+    """The driver's side of one job: its checked inputs (lorarl.driver.prepare), its sampling, its
     tracker and console, its checkpoint folder, and why it ended (None: still training)."""
 
     def __init__(self, index: int, job: Job, prepared: Any, say):
@@ -81,7 +81,7 @@ class AdapterRun:
 
     def note(self, line: str) -> None:
         """A line for this job's grpo.log only (what the console already shows once for all)."""
-        from lorarl.tracking import job_log
+        from lorarl.telemetry.tracking import job_log
 
         job_log(self.out_dir).info(line)
 

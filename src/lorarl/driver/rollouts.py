@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorarl.algorithms import advantages
-from lorarl.messages import GenerateRequest, Rollouts
+from lorarl.contract.messages import GenerateRequest, Rollouts
 
 
 def sampling_seed(seed: int, step: int, shard: int, round_index: int = 0) -> int:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Backend:
     option: str  # the +backend=<option> that selects it
-    engine: str  # "module:Class" implementing lorarl.engines.base.Engine
+    engine: str  # "module:Class" implementing lorarl.contract.engine.Engine
     needs_cuda: bool
     # HF projection names in model.lora.target_modules are checked against the checkpoint
     # (Megatron's bridge maps its own names and checks them itself).
     checks_hf_lora_targets: bool
-    # Where the LM head runs in an update, for the memory estimate (lorarl.memory): False, only at
+    # Where the LM head runs in an update, for the memory estimate (lorarl.rollout.memory): False, only at
     # the response positions; True, at every position (Megatron's GPT model), its loss then
     # taking whole float32 copies of the logits when they are split over TP ranks.
     head_at_every_position: bool

@@ -27,19 +27,26 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lorarl.algorithms import losses
-from lorarl.algorithms.batch import TrainBatch, causal_mask, plan_micro_batches, position_ids
+from lorarl.contract.engine import (
+    EntropyMode,
+    LossFn,
+    TrainBatch,
+    causal_mask,
+    plan_micro_batches,
+    position_ids,
+    read_metrics,
+)
+from lorarl.contract.payload import PayloadKind, WeightPayload
+from lorarl.contract.specs import EngineSpec
 from lorarl.engines.adapter_routing import AdapterRouter, Segments, route_adapters
-from lorarl.engines.base import EntropyMode, LossFn, read_metrics
 from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.routed_expert_lora import route_expert_lora
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, first_line
-from lorarl.peft_io import peft_lora_config
-from lorarl.specs import EngineSpec
+from lorarl.files.peft_io import peft_lora_config
 from lorarl.sync.experts import expert_delta, expert_wrappers
-from lorarl.sync.payload import PayloadKind, WeightPayload
 from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
 from lorarl.sync.semantic_merged import BaseProjections, base_projections, trainer_bases
 
@@ -116,7 +123,7 @@ def takes_prepared_masks(config) -> bool:
 class FSDPEngine:
     def __init__(self, spec: EngineSpec, device: torch.device, *, base: dict | None = None):
         """`spec` for its model, actor and backend groups. Its seed is not used: LoRA's init draws
-        from the process RNG the worker and vLLM seeded (lorarl.worker.Worker.setup). `base`: the
+        from the process RNG the worker and vLLM seeded (lorarl.workers.worker.Worker.setup). `base`: the
         shared base's views (load_lora_model); each rank then holds the whole base and FSDP
         manages only the LoRA parameters."""
         self.spec = spec

@@ -11,7 +11,7 @@ LIGER_MODEL_TYPES = ("qwen2", "qwen3")
 def use_liger_kernel(want: bool | None, compile_layers: bool, device: str) -> bool:
     """backend.liger_kernel (`want`), with null resolved: on when training on CUDA (Triton
     kernels) and the layers are not compiled (backend.compile: the compiler fuses the same
-    elementwise work itself). Resolved on the driver (lorarl.prepare)."""
+    elementwise work itself). Resolved on the driver (lorarl.driver.prepare)."""
     if want is None:
         return device == "cuda" and not compile_layers
     if want and device != "cuda":

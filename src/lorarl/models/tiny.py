@@ -115,7 +115,7 @@ def _recipe(seed: int, warmup_steps: int, arch: str) -> dict:
 
 
 def _is_complete(path: Path, recipe: dict) -> bool:
-    from lorarl.jsonio import read_json_if_valid
+    from lorarl.files.jsonio import read_json_if_valid
 
     info = read_json_if_valid(path / MARKER)
     return info is not None and all(info.get(k) == v for k, v in recipe.items())

@@ -1,6 +1,6 @@
 """Whether a worker's vLLM engine sleeps while the trainer updates, and the sleeping itself.
 
-Decided once, at setup, from lorarl.memory's estimate of the update's peak against the memory
+Decided once, at setup, from lorarl.rollout.memory's estimate of the update's peak against the memory
 free beside the awake engine (a wrong "awake" would be an out-of-memory error, a wrong "sleep"
 costs only time); revised once after the first update that slept, from its measured peak. All
 ranks agree on it: the ranks of one vLLM engine sleep together.
@@ -14,9 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from lorarl import memory
-from lorarl.memory import SleepPlan, plan_sleep
-from lorarl.specs import SleepSpec
+from lorarl.contract.specs import SleepSpec
+from lorarl.rollout import memory
+from lorarl.rollout.memory import SleepPlan, plan_sleep
 
 
 def all_ranks(ok: bool, device: torch.device) -> bool:

@@ -21,12 +21,12 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lorarl.config.schema import QWEN3_MOE_EXPERT_PARAMETERS, check_target_parameters  # noqa: F401  (checked by the config)
+from lorarl.contract.payload import ExpertWrapper
 from lorarl.errors import SyncError
 
 # What `model.lora.target_parameters` names for Qwen3-MoE's routed experts.
@@ -39,15 +39,6 @@ VLLM_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj"
 VLLM_ADAPTER_SUBDIR = "vllm"
 
 _PEFT_PAIR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class ExpertWrapper:
-    """One PEFT ParamWrapper over a stacked expert parameter."""
-
-    module: str  # PEFT module name as saved, e.g. base_model.model.model.layers.0.mlp.experts.base_layer
-    parameter: str  # gate_up_proj | down_proj
-    num_experts: int
 
 
 def is_moe_checkpoint(model_path: str | os.PathLike) -> bool:

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 
 from lorarl.config.schema import FAULTS, SEND_FAULTS  # the names; what each does is above
+from lorarl.contract.payload import WeightPayload
 from lorarl.errors import ConfigError
 from lorarl.sync.faults_merged import corrupt_merged
-from lorarl.sync.payload import WeightPayload
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

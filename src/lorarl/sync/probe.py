@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lorarl import metrics as keys
 from lorarl.errors import SyncError
 
 PROBE_COUNT = 4
@@ -64,11 +65,11 @@ class ProbeReading:
     tokens: int
     trainer_finite: bool = True  # False: the trainer's own log-probs hold NaN/inf (training diverged)
 
-    def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
+    def as_metrics(self) -> dict[str, float]:
         return {
-            f"{prefix}logprob_diff_max": self.sync_max,
-            f"{prefix}logprob_diff_mean": self.sync_mean,
-            f"{prefix}logprob_ref_diff_mean": self.ref_mean,
+            keys.SYNC_LOGPROB_DIFF_MAX.key: self.sync_max,
+            keys.SYNC_LOGPROB_DIFF_MEAN.key: self.sync_mean,
+            keys.SYNC_LOGPROB_REF_DIFF_MEAN.key: self.ref_mean,
         }
 
 
@@ -129,7 +130,7 @@ def measure_probe(engine, rollout, sequences: list[list[int]]) -> ProbeReading:
 def trainer_logprobs(engine, sequences: list[list[int]]) -> tuple[Tensor, Tensor]:
     """The probe's trainer side: (adapter on, adapter off) log-probs of every probe token after
     the first, flat, on the host. Collective over the engine's ranks."""
-    from lorarl.algorithms.batch import build_batch
+    from lorarl.contract.engine import build_batch
 
     batch = build_batch([s[:1] for s in sequences], [s[1:] for s in sequences], 0)
     mask = batch.response_mask.bool()

@@ -12,7 +12,7 @@ layout-free `u^T W v` for the seeded +-1 pairs of lorarl.sync.semantic, per HF m
   nothing is shared with the merge in the export.
 - observed, inside vLLM: the served weight after vLLM's own loading (fused qkv / gate_up rows, the
   fused-MoE w13/w2 stacks, tensor-parallel slices added up over the engine's ranks),
-  lorarl.rollout.vllm_weights.
+  lorarl.rollout.vllm.weights.
 
 The bound. A correct sync differs from the expected value by the rounding of `W_base + delta`
 to the served dtype (and to the trainer's base dtype, which the merge casts to first): each

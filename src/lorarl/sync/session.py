@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorarl.engines.base import Engine
+from lorarl.contract.engine import Engine
+from lorarl.contract.messages import SyncReport, SyncRequest
+from lorarl.contract.payload import PayloadKind, SyncStats
 from lorarl.errors import SyncError
-from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic, transport
 from lorarl.sync.faults import SyncFault
-from lorarl.sync.payload import PayloadKind, SyncStats
 from lorarl.sync.semantic_merged import MergedCheck
 
 if TYPE_CHECKING:
-    from lorarl.specs import SyncSpec
+    from lorarl.contract.specs import SyncSpec
 
 
 class SyncSession:

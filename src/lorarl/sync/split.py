@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lorarl.contract.messages import SyncReport, SyncRequest
+from lorarl.contract.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.errors import SyncError
-from lorarl.messages import SyncReport, SyncRequest
 from lorarl.sync import probe, semantic
 from lorarl.sync.faults import SyncFault
-from lorarl.sync.payload import PayloadKind, SyncStats, WeightPayload
 from lorarl.sync.semantic import Projection
 from lorarl.sync.session import check_adapter, export_adapter
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lorarl.contract.payload import ExpertWrapper
 from lorarl.errors import SyncError
-from lorarl.sync.experts import ExpertWrapper, experts_module, stacked_expert_factors
+from lorarl.sync.experts import experts_module, stacked_expert_factors
 from lorarl.sync.fingerprint import fingerprint_rows, fingerprint_sums_many
 
 

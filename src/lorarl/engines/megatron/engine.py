@@ -3,7 +3,7 @@
 One instance per rank; every method is collective over the ranks of the job (they all call it
 with the same model-parallel group data). Data parallel size is world / (TP x PP): ranks of the
 same TP/PP group must receive the same micro-batches (`dp_rank` / `dp_size` say which share).
-Implements lorarl.engines.base.Engine; the PPO update is the shared one, this class supplies
+Implements lorarl.contract.engine.Engine; the PPO update is the shared one, this class supplies
 the forward/backward through Megatron's pipeline schedule.
 
 Not supported here: the TransformerEngine spec and sequence parallelism need TransformerEngine
@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
-from lorarl.algorithms.batch import TrainBatch, plan_micro_batches
-from lorarl.engines.base import (
+from lorarl.contract.engine import (
     EntropyMode,
     LossFn,
+    TrainBatch,
     check_grad_norm,
+    plan_micro_batches,
     read_metrics,
 )
+from lorarl.contract.specs import EngineSpec
 from lorarl.engines.megatron.bridge import MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
@@ -39,7 +41,6 @@ from lorarl.engines.megatron.config_map import (
 )
 from lorarl.engines.megatron.experts import ExpertParallel, gather_expert_adapter, num_experts_of, torch_all_gather
 from lorarl.errors import ConfigError, TrainingError
-from lorarl.specs import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     """Megatron attention here is causal only (TE: no mask at all), so a row may not have
-    padding before a real token; lorarl.algorithms.batch.build_batch right-pads prompt + response."""
+    padding before a real token; lorarl.contract.engine.build_batch right-pads prompt + response."""
     m = attention_mask.bool()
     if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):
         raise ValueError("the Megatron engine needs right-padded rows (no padding before a real token)")
@@ -115,7 +116,7 @@ class MegatronEngine:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             # Ours, explicitly: provide_distributed_model would otherwise create one silently.
-            # Bound to the device so that NCCL connects every group now (lorarl.worker says why).
+            # Bound to the device so that NCCL connects every group now (lorarl.workers.worker says why).
             dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
@@ -304,7 +305,7 @@ class MegatronEngine:
 
     @torch.no_grad()
     def log_probs(self, batch: TrainBatch, *, temperature: float, reference: bool = False) -> torch.Tensor:
-        """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.algorithms.batch.TrainBatch.
+        """Log-probs [B, L-1] (float32, CPU) of every next token of a lorarl.contract.engine.TrainBatch.
 
         reference=True is the reference policy: the same model under PEFT's disable_adapter
         context, no second copy of the weights.
@@ -411,7 +412,7 @@ class MegatronEngine:
         (merge_adapter_weights=False), or merged W + BA when model.lora.merge=true (then vLLM
         runs without LoRA).
         """
-        from lorarl.sync.payload import PayloadKind, WeightPayload
+        from lorarl.contract.payload import PayloadKind, WeightPayload
 
         if method not in (None, *self.EXPORT_METHODS):
             raise ValueError(f"the Megatron engine exports through its bridge only, not {method!r}")
