@@ -211,33 +211,46 @@ def test_resumed_run_logs_the_steps_of_an_uninterrupted_one(cache, tmp_path):
     assert "init/sync/kind" in got[4] and got[4]["step"] == 3  # the relaunch's start-up, with its first step
 
 
-def test_multirun_folders_and_summary(cache, tmp_path):
+def sweep(cache: Path, sweep_dir: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m recipes.grpo -m` in `sweep_dir` on the embedded model, small batches."""
     env = {**os.environ, "LORARL_CACHE": str(cache)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.grpo",
-        "-m",
-        "+backend=fsdp",
-        "trainer.progress_bar=false",
-        "trainer.device=cpu",
-        "trainer.total_steps=2",
-        "data.train_batch_size=8",
-        "actor.ppo_mini_batch_size=8",
-        "rollout.n=4",
-        "model.lora.rank=8,16",
-        f"hydra.sweep.dir={tmp_path}/sweep",
-    ]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-5000:]
-    sweep = tmp_path / "sweep"
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    assert jobs == ["0_fsdp_qwen2_tiny_r8", "1_fsdp_qwen2_tiny_r16"]
-    summary = (sweep / "summary.md").read_text()
-    assert "model.lora.rank=8" in summary and "model.lora.rank=16" in summary
-    csv_rows = (sweep / "summary.csv").read_text().strip().splitlines()
-    assert len(csv_rows) == 3
-    assert (sweep / "plot_reward.png").exists()
+    cmd = [sys.executable, "-m", "recipes.grpo", "-m", "+backend=fsdp", "trainer.progress_bar=false",
+           "trainer.device=cpu", f"hydra.sweep.dir={sweep_dir}", *overrides]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_multirun_folders_and_summary_with_either_launcher(cache, tmp_path):
+    """The same sweep through Hydra's basic launcher (one run after another) and through the
+    shared-base launcher (both points as adapters of one base): the same job folders, each with
+    the files and the config the basic launcher writes, the same logged keys, one summary row each."""
+    points = ("trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4",
+              "model.lora.rank=8,16")  # fmt: skip
+    basic = sweep(cache, tmp_path / "basic", *points)
+    assert basic.returncode == 0, basic.stderr[-5000:]
+    shared = sweep(cache, tmp_path / "shared", *points, "hydra/launcher=shared_base")
+    assert shared.returncode == 0, shared.stderr[-5000:]
+    assert "job 1 (model.lora.rank=16): group 0, adapter 1 of 2 on one base" in shared.stdout + shared.stderr
+    for name in ("basic", "shared"):
+        folder = tmp_path / name
+        jobs = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        assert jobs == ["0_fsdp_qwen2_tiny_r8", "1_fsdp_qwen2_tiny_r16"]
+        summary = (folder / "summary.md").read_text()
+        assert "model.lora.rank=8" in summary and "model.lora.rank=16" in summary
+        assert len((folder / "summary.csv").read_text().strip().splitlines()) == 3
+        assert (folder / "plot_reward.png").exists()
+    for job in ("0_fsdp_qwen2_tiny_r8", "1_fsdp_qwen2_tiny_r16"):
+        a, b = tmp_path / "basic" / job, tmp_path / "shared" / job
+
+        def files(root: Path) -> set[str]:
+            return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+        assert files(a) == files(b), files(a) ^ files(b)
+        for f in (".hydra/config.yaml", ".hydra/overrides.yaml", "final_adapter/adapter_config.json"):
+            assert (a / f).read_text() == (b / f).read_text(), f
+        keys_a = [set(json.loads(x)) for x in (a / "metrics.jsonl").read_text().splitlines()]
+        keys_b = [set(json.loads(x)) for x in (b / "metrics.jsonl").read_text().splitlines()]
+        assert keys_a == keys_b
+        assert "first sync: adapter" in (b / "grpo.log").read_text()
 
 
 def test_workers_get_the_launchers_communication_settings(monkeypatch):

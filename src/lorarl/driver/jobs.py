@@ -16,6 +16,7 @@ from typing import Any
 from lorarl import metrics as keys
 from lorarl.config.run import RunConfig
 from lorarl.contract.messages import Sampling
+from lorarl.telemetry.sweep import ENDED_FILE
 from lorarl.telemetry.tracking import Tracker
 
 
@@ -77,7 +78,7 @@ class AdapterRun:
         """This job stops here, alone: its log says why; its metrics and checkpoints stay as they are."""
         self.ended = why
         self.say(f"error: {why}")
-        (self.out_dir / "ended.txt").write_text(why + "\n")
+        (self.out_dir / ENDED_FILE).write_text(why + "\n")
 
     def note(self, line: str) -> None:
         """A line for this job's grpo.log only (what the console already shows once for all)."""

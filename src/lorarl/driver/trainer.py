@@ -36,6 +36,7 @@ from lorarl.driver.off_policy import Ahead, BatchAhead, overlap_plan, staleness
 from lorarl.driver.rollouts import Draw, PromptGroup, per_job, requests_for, sampling_seed, score_groups, split
 from lorarl.errors import LorarlError
 from lorarl.files.checkpoint import read_trainer_state, write_trainer_state
+from lorarl.telemetry.sweep import ENDED_FILE
 from lorarl.telemetry.tracking import console, job_console, redact
 
 # Validation samples engine i with seed VALIDATION_SEED + i at every step: the same draws each
@@ -234,8 +235,8 @@ class GRPOTrainer:
             # The steps after the checkpoint run again: their rows from the stopped process go.
             job.tracker.drop_after(self.step)
             job.say(f"resumed from {path} at step {self.step}")
-            if (job.out_dir / "ended.txt").is_file():
-                job.ended = (job.out_dir / "ended.txt").read_text().strip()
+            if (job.out_dir / ENDED_FILE).is_file():
+                job.ended = (job.out_dir / ENDED_FILE).read_text().strip()
                 job.say(f"ended before: {job.ended}")
         if self.overlap:
             self.jobs[0].say(

@@ -16,7 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from lorarl import metrics as keys
 from lorarl.telemetry.tracking import read_metrics
 
-COLUMNS = ["job", "overrides", "steps", "final_reward", "val_acc", "step_seconds", "sync_seconds"]
+COLUMNS = ["job", "overrides", "steps", "final_reward", "val_acc", "step_seconds", "sync_seconds", "ended"]
+# In a job's folder when it ended before the others of its group (hydra/launcher=shared_base): why.
+ENDED_FILE = "ended.txt"
 
 
 def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
@@ -39,6 +41,7 @@ def summarize(sweep_dir: str | Path) -> list[dict[str, Any]]:
                 "val_acc": round(val[-1], 4) if val else None,
                 "step_seconds": round(statistics.median(r[keys.TIMING_STEP.key] for r in steps), 3) if steps else None,
                 "sync_seconds": round(statistics.median(r[keys.SYNC_SECONDS.key] for r in steps), 4) if steps else None,
+                "ended": (job / ENDED_FILE).read_text().strip() if (job / ENDED_FILE).is_file() else None,
             }
         )
     return rows
