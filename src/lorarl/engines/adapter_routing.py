@@ -64,15 +64,25 @@ class AdapterRouter:
 
     def __init__(self) -> None:
         self.segments: Segments | None = None
+        # Small device tensors (group offsets, per-token scales) made once per micro-batch: made
+        # per layer, each would be a host-to-device copy the host waits on.
+        self._made: dict = {}
 
     @contextlib.contextmanager
     def route(self, segments: Segments | None):
-        """Route the forwards (and their backward: autograd keeps what each saw) inside this block."""
-        previous, self.segments = self.segments, segments
+        """Route the forwards (and their backward: autograd keeps what each saw, and activation
+        checkpointing runs the forward again there) inside this block."""
+        previous, self.segments, self._made = self.segments, segments, {}
         try:
             yield
         finally:
-            self.segments = previous
+            self.segments, self._made = previous, {}
+
+    def made(self, key: tuple, make):
+        """`make()`, once per routed block for each `key`."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
 
 
 def route_adapters(peft_model: nn.Module, router: AdapterRouter) -> int:
@@ -97,14 +107,17 @@ def _forward(self, x: Tensor, *args, **kwargs) -> Tensor:
     spans = [(name, start, stop) for name, start, stop in segments.spans() if name in self.lora_A]
     if not spans:
         return result
-    return result + routed_delta(self, x, spans, segments.bounds[-1]).to(result.dtype)
+    delta = routed_delta(self, x, spans, segments.bounds[-1], self._adapter_router)
+    return result + delta.to(result.dtype)
 
 
-def routed_delta(layer, x: Tensor, spans: list[tuple[str, int, int]], rows: int) -> Tensor:
+def routed_delta(
+    layer, x: Tensor, spans: list[tuple[str, int, int]], rows: int, router: AdapterRouter | None = None
+) -> Tensor:
     """sum_i s_i (x_i A_i^T) B_i^T on each adapter's rows, zeros on rows of adapters this layer does
     not carry; shaped like the layer's output."""
-    lead, width = x.shape[1:-1], x.shape[-1]
-    per_row = int(torch.tensor(lead).prod()) if lead else 1
+    width = x.shape[-1]
+    per_row = x[0].numel() // width if rows else 1
     a_weights = [layer.lora_A[name].weight for name, _, _ in spans]
     b_weights = [layer.lora_B[name].weight for name, _, _ in spans]
     dtype = a_weights[0].dtype
@@ -116,7 +129,7 @@ def routed_delta(layer, x: Tensor, spans: list[tuple[str, int, int]], rows: int)
     tokens = torch.cat(inputs).to(dtype) if len(inputs) > 1 else inputs[0].to(dtype)
     counts = [(stop - start) * per_row for _, start, stop in spans]
     if _groupable(tokens, a_weights, b_weights):
-        delta = _grouped(tokens, a_weights, b_weights, scales, counts)
+        delta = _grouped(tokens, a_weights, b_weights, scales, counts, router or AdapterRouter())
     else:
         delta = torch.cat(
             [
@@ -144,7 +157,12 @@ def _padded(rank: int, multiple: int) -> int:
 
 
 def _grouped(
-    tokens: Tensor, a_weights: list[Tensor], b_weights: list[Tensor], scales: list[float], counts: list[int]
+    tokens: Tensor,
+    a_weights: list[Tensor],
+    b_weights: list[Tensor],
+    scales: list[float],
+    counts: list[int],
+    router: AdapterRouter,
 ) -> Tensor:
     """Both products of every adapter as two grouped GEMMs. Ranks are zero-padded to one width
     (F.pad keeps the gradient of each adapter's own factors; the padding's rows and columns carry
@@ -153,10 +171,15 @@ def _grouped(
     rank = _padded(max(a.shape[0] for a in a_weights), per)
     a_stack = torch.stack([F.pad(a, (0, 0, 0, rank - a.shape[0])) for a in a_weights])  # [G, r, in]
     b_stack = torch.stack([F.pad(b, (0, rank - b.shape[1])) for b in b_weights])  # [G, out, r]
-    offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+    device = tokens.device
+    offsets = router.made(
+        ("offsets", device, tuple(counts)),
+        lambda: torch.tensor(counts, device="cpu").cumsum(0).to(device=device, dtype=torch.int32),
+    )
     xa = F.grouped_mm(tokens, a_stack.transpose(1, 2), offs=offsets)  # [tokens, r]
-    scale = torch.tensor(scales, dtype=xa.dtype, device=xa.device).repeat_interleave(
-        torch.tensor(counts, device=xa.device)
+    scale = router.made(
+        ("scales", device, xa.dtype, tuple(counts), tuple(scales)),
+        lambda: torch.tensor(scales, dtype=xa.dtype).repeat_interleave(torch.tensor(counts)).to(device),
     )
     return F.grouped_mm(xa * scale.unsqueeze(1), b_stack.transpose(1, 2), offs=offsets)  # [tokens, out]
 
