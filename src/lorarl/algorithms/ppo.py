@@ -151,7 +151,16 @@ def correct_before_update(engine: Engine, batch: TrainBatch, c: Correction) -> d
     return out
 
 
+def clip_range(actor: ActorConfig) -> tuple[float, float]:
+    """The ratio's clip range below and above 1: as in verl, actor.clip_ratio on a side whose own
+    key (clip_ratio_low, clip_ratio_high) is null."""
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    return low, actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+
+
 def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> LossFn:
+    clip_low, clip_high = clip_range(a)
+
     def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
         mask = mb.response_mask
         # The trainer's log-probs of the sampled tokens at the sampling weights: this forward's
@@ -169,8 +178,8 @@ def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> Los
             old,
             mb.advantages,
             mask,
-            clip_ratio_low=a.clip_low,
-            clip_ratio_high=a.clip_high,
+            clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high,
             clip_ratio_c=a.clip_ratio_c,
             loss_agg_mode=a.loss_agg_mode,
             denom=denom,

@@ -368,7 +368,7 @@ class WorkerGroup:
 
     def _report_stall(self, what: str) -> None:
         """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
-        that moment (lorarl.workers.worker's watched calls) and go on; so does this wait."""
+        that moment (Worker.watch) and go on; so does this wait."""
         where = f"{self.run_dir}/{STACKS_GLOB}" if self.run_dir is not None else "not written (no run folder)"
         self.say(
             f"the workers' {what} is still running after trainer.stall_report_s={self.stall_s:g} s; "

@@ -9,12 +9,13 @@ checks (lorarl.sync.session), the PPO update (lorarl.algorithms.ppo), the checkp
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import gc
 import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,18 +50,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def watched(method):
-    """A worker call that writes this worker's Python stacks if it runs past
-    trainer.stall_report_s (lorarl.workers.stall_report), and goes on."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        with stacks_after(self.stacks_path, self.spec.stall_report_s):
-            return method(self, *args, **kwargs)
-
-    return call
-
-
 class Worker:
     def __init__(
         self,
@@ -88,6 +77,12 @@ class Worker:
         self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
         self._update_stream = None  # CUDA, off-policy: the stream every update runs on (update)
 
+    def watch(self) -> contextlib.AbstractContextManager:
+        """The stall watch around a call of the driver's that does work (setup, the step's calls,
+        the checkpoints'): past trainer.stall_report_s this worker's Python stacks go to its stacks
+        file (lorarl.workers.stall_report), and the call goes on."""
+        return stacks_after(self.stacks_path, self.spec.stall_report_s)
+
     # Ray calls these on every worker before anything else.
     def location(self) -> Placement:
         """Where Ray placed this worker: node id and IP, process id, and its GPUs (empty on CPU)."""
@@ -112,38 +107,38 @@ class Worker:
             port = s.getsockname()[1]
         return Rendezvous(master_addr=ray.util.get_node_ip_address(), master_port=port)
 
-    @watched
     def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, rollout, then engine."""
-        from lorarl.rollout.vllm.engine import VLLMRollout
+        with self.watch():
+            from lorarl.rollout.vllm.engine import VLLMRollout
 
-        spec = self.spec
-        self._join_group(rendezvous)
-        # vLLM first: on a GPU it sizes its KV cache from the memory still free.
-        t0 = time.perf_counter()
-        self.rollout = VLLMRollout(
-            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
-            spec.rollout.engine_args[self.rollout_rank],
-            adapter_transport=spec.rollout.adapter_transport,
-            fingerprint_base=spec.rollout.fingerprint_base,
-            share_weights=spec.base_plan.shared,
-        )
-        t1 = time.perf_counter()
-        # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
-        base = engine_base_views(self.rollout) if spec.base_plan.shared else None
-        self.engine = make_engine(spec.engine, self.device, base=base)
-        t2 = time.perf_counter()
-        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
-        self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
-        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
-        return WorkerSetup(
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            sleep_plan=str(self.sleep.plan),
-            rollout_sleeps=self.sleep.sleeps,
-            rollout_start_seconds=t1 - t0,
-            engine_build_seconds=t2 - t1,
-        )
+            spec = self.spec
+            self._join_group(rendezvous)
+            # vLLM first: on a GPU it sizes its KV cache from the memory still free.
+            t0 = time.perf_counter()
+            self.rollout = VLLMRollout(
+                # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
+                spec.rollout.engine_args[self.rollout_rank],
+                adapter_transport=spec.rollout.adapter_transport,
+                fingerprint_base=spec.rollout.fingerprint_base,
+                share_weights=spec.base_plan.shared,
+            )
+            t1 = time.perf_counter()
+            # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
+            base = engine_base_views(self.rollout) if spec.base_plan.shared else None
+            self.engine = make_engine(spec.engine, self.device, base=base)
+            t2 = time.perf_counter()
+            self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
+            self.sync_session = SyncSession(spec.sync, self.engine, self.rollout, self.rank)
+            self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
+            return WorkerSetup(
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                sleep_plan=str(self.sleep.plan),
+                rollout_sleeps=self.sleep.sleeps,
+                rollout_start_seconds=t1 - t0,
+                engine_build_seconds=t2 - t1,
+            )
 
     def _join_group(self, rendezvous: Rendezvous) -> None:
         """This worker's process group (rank, world size), bound to its device; RNGs seeded by rank."""
@@ -197,21 +192,21 @@ class Worker:
 
     # ---- the step: generate, update, sync --------------------------------------------------
 
-    @watched
     def generate(self, request: GenerateRequest) -> Rollouts:
-        version = self.adapter_version
-        out = self.rollout.sample(
-            request.prompt_ids,
-            n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            max_tokens=request.max_tokens,
-            seed=request.seed,
-        )
-        if request.for_training and self.sync_session.wants_probes:
-            self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
-        out.adapter_version = version
-        return out
+        with self.watch():
+            version = self.adapter_version
+            out = self.rollout.sample(
+                request.prompt_ids,
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed,
+            )
+            if request.for_training and self.sync_session.wants_probes:
+                self.sync_session.set_probes([p + r[0] for p, r in zip(request.prompt_ids, out.token_ids)])
+            out.adapter_version = version
+            return out
 
     def generate_start(self, request: GenerateRequest) -> None:
         """Begin `generate` in a thread of this process and return at once, so the update call that
@@ -231,115 +226,120 @@ class Worker:
         in_flight, self._in_flight = self._in_flight, None
         return in_flight.result()
 
-    @watched
     def update(self, request: UpdateRequest) -> UpdateReport:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
-        timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
+        with self.watch():
+            timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
+            a, temperature = self.spec.engine.actor, request.sampling.temperature
+            with self._update_stream_if_beside_vllm():
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    before = torch.cuda.memory_allocated(self.device)
+                    retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+                batch = build_batch(
+                    request.prompt_ids,
+                    request.response_ids,
+                    self.engine.pad_token_id,
+                    request.advantages,
+                    self.engine.left_pad_prompts,
+                    request.rollout_logprobs,
+                )
+                if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
+                    t0 = time.perf_counter()
+                    batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
+                    timing["old_logp_seconds"] = time.perf_counter() - t0
+                if a.use_kl_loss:
+                    t0 = time.perf_counter()
+                    batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
+                    timing["ref_logp_seconds"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                stats = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
+                timing["update_seconds"] = time.perf_counter() - t0
+                report = UpdateReport(ppo=stats, **timing)
+                if self.device.type == "cuda":
+                    highest = torch.cuda.max_memory_allocated(self.device)
+                    self.sleep.record_update(highest - before, int(stats.micro_batch_tokens_max))
+                    report.max_allocated_gib = highest / 2**30
+                    report.update_peak_gib = (highest - before) / 2**30
+                    retried = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries
+                    report.alloc_retries = float(retried)
+            return report
+
+    @contextlib.contextmanager
+    def _update_stream_if_beside_vllm(self) -> Iterator[None]:
+        """Off-policy on CUDA, vLLM may be generating in another thread on the default stream. The
+        update then gets a stream of its own so its kernels run beside vLLM's instead of queueing
+        behind them, and it is the same stream for every update of the run: the caching allocator
+        reuses a freed block only on the stream that allocated it, so neither side can be handed
+        memory the other's queued kernels still use. vLLM stays on the default stream it started
+        on: run on a side stream of its own (its start-up buffers on the default one), it faulted
+        the GPU within three 7B steps, and ran clean with CUDA_LAUNCH_BLOCKING=1."""
         if self.device.type != "cuda" or not self.spec.off_policy_steps:
-            return self._update(request, timing)
-        # Off-policy, vLLM may be generating in another thread on the default stream. The update
-        # gets a stream of its own so its kernels run beside vLLM's instead of queueing behind
-        # them, and it is the same stream for every update of the run: the caching allocator
-        # reuses a freed block only on the stream that allocated it, so neither side can be handed
-        # memory the other's queued kernels still use. vLLM stays on the default stream it started
-        # on: run on a side stream of its own (its start-up buffers on the default one), it
-        # faulted the GPU within three 7B steps, and ran clean with CUDA_LAUNCH_BLOCKING=1.
+            yield
+            return
         if self._update_stream is None:
             self._update_stream = torch.cuda.Stream(self.device)
         self._update_stream.wait_stream(torch.cuda.current_stream(self.device))  # the sync's writes
         with torch.cuda.stream(self._update_stream):
-            report = self._update(request, timing)
+            yield
         self._update_stream.synchronize()  # the sync and the next step read what it wrote
-        return report
 
-    def _update(self, request: UpdateRequest, timing: dict) -> UpdateReport:
-        a, temperature = self.spec.engine.actor, request.sampling.temperature
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
-        batch = build_batch(
-            request.prompt_ids,
-            request.response_ids,
-            self.engine.pad_token_id,
-            request.advantages,
-            self.engine.left_pad_prompts,
-            request.rollout_logprobs,
-        )
-        if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
-            t0 = time.perf_counter()
-            batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
-            timing["old_logp_seconds"] = time.perf_counter() - t0
-        if a.use_kl_loss:
-            t0 = time.perf_counter()
-            batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
-            timing["ref_logp_seconds"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        stats = ppo_update(self.engine, batch, request.step, request.sampling, a, self.correction)
-        timing["update_seconds"] = time.perf_counter() - t0
-        report = UpdateReport(ppo=stats, **timing)
-        if self.device.type == "cuda":
-            highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(highest - before, int(stats.micro_batch_tokens_max))
-            report.max_allocated_gib = highest / 2**30
-            report.update_peak_gib = (highest - before) / 2**30
-            report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)
-        return report
-
-    @watched
     def sync(self, request: SyncRequest) -> SyncReport:
         """Wake the rollout's weights, sync and check them, wake its cache, probe. Collective.
 
         The cache wakes after the payloads are applied (their gathers have its memory) and
         before the probe, which generates. A generation still in flight (generate_start) ends
         first: the adapter it samples with is never replaced under it."""
-        if self._in_flight is not None:
-            self._in_flight.wait()
-        t_wake = self.sleep.wake(["weights"])
-        report = self.sync_session.sync(request)
-        t_wake += self.sleep.wake(["kv_cache"])
-        self.sync_session.probe_if_due(request, report)
-        if self.sleep.sleeps:
-            report.wake_seconds = t_wake
-        # Awake again here, so a changed plan takes effect at the next update's sleep.
-        report.sleep_plan = self.sleep.replan()
-        if report.sleep_plan:
-            report.rollout_sleeps = self.sleep.sleeps
-        self.adapter_version = request.step if request.version is None else request.version
-        return report
+        with self.watch():
+            if self._in_flight is not None:
+                self._in_flight.wait()
+            t_wake = self.sleep.wake(["weights"])
+            report = self.sync_session.sync(request)
+            t_wake += self.sleep.wake(["kv_cache"])
+            self.sync_session.probe_if_due(request, report)
+            if self.sleep.sleeps:
+                report.wake_seconds = t_wake
+            # Awake again here, so a changed plan takes effect at the next update's sleep.
+            report.sleep_plan = self.sleep.replan()
+            if report.sleep_plan:
+                report.rollout_sleeps = self.sleep.sleeps
+            self.adapter_version = request.step if request.version is None else request.version
+            return report
 
     # ---- checkpoints (the format: lorarl.files.checkpoint) ----------------------------------------
 
-    @watched
     def save_checkpoint(self, directory: str) -> None:
-        save_engine_state(self.engine, directory, self.rank)
-        dist.barrier()
+        with self.watch():
+            save_engine_state(self.engine, directory, self.rank)
+            dist.barrier()
 
-    @watched
     def load_checkpoint(self, directory: str) -> None:
-        load_engine_state(self.engine, directory, self.rank)
+        with self.watch():
+            load_engine_state(self.engine, directory, self.rank)
 
-    @watched
     def export_adapter(self, directory: str) -> None:
         """The trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
         LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
-        lora = self.engine.lora_state()
-        if self.rank == 0:
-            config = self.engine.adapter_config()
-            save_peft_adapter(directory, lora, config)
-            experts = getattr(self.engine, "expert_wrappers", None)
-            if experts:
-                # PEFT reads expert LoRA as stacks, vLLM per expert: the vLLM copy goes beside it.
-                from lorarl.sync.experts import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
+        with self.watch():
+            lora = self.engine.lora_state()
+            if self.rank == 0:
+                config = self.engine.adapter_config()
+                save_peft_adapter(directory, lora, config)
+                experts = getattr(self.engine, "expert_wrappers", None)
+                if experts:
+                    # PEFT reads expert LoRA as stacks, vLLM per expert: the vLLM copy goes beside it.
+                    from lorarl.sync.experts import VLLM_ADAPTER_SUBDIR, to_vllm_layout, vllm_adapter_config
 
-                save_peft_adapter(
-                    Path(directory) / VLLM_ADAPTER_SUBDIR, to_vllm_layout(lora, experts), vllm_adapter_config(config)
-                )
-        dist.barrier()
+                    save_peft_adapter(
+                        Path(directory) / VLLM_ADAPTER_SUBDIR,
+                        to_vllm_layout(lora, experts),
+                        vllm_adapter_config(config),
+                    )
+            dist.barrier()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
