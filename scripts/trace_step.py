@@ -1,19 +1,25 @@
-"""Which files and functions of lorarl one FSDP step of the default run runs, in call order.
+"""Which files and functions of lorarl one FSDP step of the default run runs, in call order, and
+how much of each file a reader reads for it.
 
     python scripts/trace_step.py [hydra overrides...]
 
 Builds the default run on CPU (the trainer's start-up checks, one Worker in this process with
 its vLLM CPU engine and FSDP2 over gloo), syncs once as the trainer does at start, then traces
 the trainer's next step (GRPOTrainer.train_step) with sys.setprofile: every Python call whose
-code lives under src/lorarl, the first call of each function listed once. The worker group's
-three calls go straight to the worker here (Ray would run them in another process, where this
-profile cannot see): lorarl/workers/group.py's part of the step (WorkerGroup.generate, update and
-sync, _first_of, _get) is named at the end instead of traced. docs/design.md's step trace is
-read from this output.
+code lives under src/lorarl, the first call of each function listed once (comprehensions,
+lambdas and closures are read with the function that holds them, and not listed). The worker
+group's three calls go straight to the worker here (Ray would run them in another process,
+where this profile cannot see): lorarl/workers/group.py's part of the step (WorkerGroup.generate,
+update and sync, _first_of, _get) is named at the end instead of traced.
+
+Printed: the trace (docs/design.md's step trace is this output), then per file the lines of the
+functions the step runs there (what a reader opens the file for), the files entered for fewer
+than SMALL lines, and the calls from train_step down to the policy loss.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import sys
@@ -23,6 +29,7 @@ from pathlib import Path
 import lorarl
 
 SRC = Path(lorarl.__file__).resolve().parent
+SMALL = 15  # a file entered for fewer lines than this is a detour for the reader
 
 
 class InProcessGroup:
@@ -42,24 +49,34 @@ class InProcessGroup:
         return self.worker.sync(request)
 
 
-def trace(call) -> list[tuple[str, str]]:
-    """(file under src/lorarl, function's qualified name) of every lorarl function `call` runs,
-    each listed at its first call."""
-    seen: dict[tuple[str, str], None] = {}
+def trace(call) -> tuple[dict[tuple[str, str], int], list[str]]:
+    """(file under src/lorarl, qualified name) -> source lines, of every named lorarl function
+    `call` runs, in the order of their first calls; and the lorarl functions on the way from
+    `call` to the first call of the policy loss (algorithms/losses.py's policy_loss), both ends included."""
+    seen: dict[tuple[str, str], int] = {}
+    chain: list[str] = []
 
     def profile(frame, event, arg):
-        if event != "call":
+        if event != "call" or not Path(frame.f_code.co_filename).is_relative_to(SRC):
             return
-        path = Path(frame.f_code.co_filename)
-        if path.is_relative_to(SRC):
-            seen.setdefault((str(path.relative_to(SRC)), frame.f_code.co_qualname), None)
+        code = frame.f_code
+        if "<" not in code.co_qualname:
+            key = (str(Path(code.co_filename).relative_to(SRC)), code.co_qualname)
+            if key not in seen:
+                seen[key] = len(inspect.getsourcelines(code)[0])
+        if code.co_name == "policy_loss" and not chain:
+            while frame is not None and frame.f_code is not call.__code__:
+                if Path(frame.f_code.co_filename).is_relative_to(SRC):
+                    chain.insert(0, frame.f_code.co_qualname)
+                frame = frame.f_back
+            chain.insert(0, call.__qualname__)
 
     sys.setprofile(profile)
     try:
         call()
     finally:
         sys.setprofile(None)
-    return list(seen)
+    return seen, chain
 
 
 def main(overrides: list[str]) -> None:
@@ -79,14 +96,27 @@ def main(overrides: list[str]) -> None:
     trainer.workers = InProcessGroup(worker)
     trainer.workers.sync(SyncRequest(step=0, last=False))
     trainer.step = 1
-    calls = trace(trainer.train_step)
+    calls, chain = trace(trainer.train_step)
     worker.shutdown()
-    files: dict[str, list[str]] = {}
-    for file, name in calls:
-        files.setdefault(file, []).append(name)
-    for file, names in files.items():
-        print(f"{file:34s} {', '.join(names)}")
-    print(f"{len(files)} files of src/lorarl traced, plus worker_group.py (the Ray calls)")
+    lines: dict[str, int] = {}
+    for (file, _), n in calls.items():
+        lines[file] = lines.get(file, 0) + n
+    rows: list[tuple[str, list[str]]] = []
+    for file, name in calls:  # a file the step comes back to gets a row again, in call order
+        if rows and rows[-1][0] == file:
+            rows[-1][1].append(name)
+        else:
+            rows.append((file, [name]))
+    print("the step's trace (docs/design.md):")
+    for file, names in rows:
+        print(f"{file:34s}{', '.join(names)}")
+    print(f"{len(lines)} files of src/lorarl traced, plus workers/group.py (the Ray calls)")
+    print("\nlines of the functions the step runs, per file:")
+    for file, n in lines.items():
+        print(f"{file:34s}{n:5d}")
+    small = [file for file, n in lines.items() if n < SMALL]
+    print(f"\nentered for fewer than {SMALL} lines: {len(small)} ({', '.join(small)})")
+    print(f"from train_step to the policy loss: {' -> '.join(chain)} ({len(chain) - 2} calls between)")
 
 
 if __name__ == "__main__":

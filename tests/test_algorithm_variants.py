@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lorarl.algorithms import advantages, losses
+from lorarl.algorithms.ppo import clip_range
 from lorarl.config.compose import compose
 from lorarl.errors import ConfigError
 
@@ -90,7 +91,7 @@ def test_overlong_penalty_and_group_filter():
 )
 def test_algorithm_presets_compose(name, expect):
     run = compose(["+backend=fsdp", f"algorithm={name}"])
-    assert (run.actor.clip_low, run.actor.clip_high) == pytest.approx((expect["clip_low"], expect["clip_high"]))
+    assert clip_range(run.actor) == pytest.approx((expect["clip_low"], expect["clip_high"]))
     assert run.actor.loss_agg_mode == expect["loss_agg_mode"]
     assert run.actor.use_kl_loss is expect["use_kl_loss"]
     assert run.algorithm.norm_adv_by_std_in_grpo is expect["norm"]

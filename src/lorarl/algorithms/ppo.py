@@ -108,7 +108,7 @@ def ppo_update(engine: Engine, batch: TrainBatch, step: int, plans: Sequence[Ada
             minibatch = batch.select(torch.cat([o[start : start + mini] for o in order]))
             by_adapter = _adapter_key(minibatch)
             row_sets = [sorted(rows, key=by_adapter) for rows in plan_micro_batches(engine, minibatch, a)]
-            loss_fn = _routed_loss(plans, loss_denominators(engine, minibatch, plans))
+            loss_fn = _ppo_loss(plans, loss_denominators(engine, minibatch, plans))
             micro = [minibatch.select(rows) for rows in row_sets]
             for metrics in engine.forward_backward(micro, loss_fn, entropy_mode, temperature):
                 for (i, k), v in metrics.items():
@@ -240,66 +240,63 @@ def _correct(engine: Engine, batch: TrainBatch, c: Correction) -> tuple[torch.Te
     return mask, weights, out
 
 
-def _routed_loss(plans: Sequence[AdapterPlan], denoms: list[float]) -> LossFn:
-    """The micro-batch's loss: each adapter's PPO loss on its own rows (one contiguous segment per
-    adapter, lorarl.contract.engine.TrainBatch.segments), summed; metrics keyed (adapter, key). Rows of other adapters
-    never enter an adapter's loss, so its gradient is its own loss's."""
-    fns = [_ppo_loss(p.actor, d, p.correction, p.norm_len) for p, d in zip(plans, denoms, strict=True)]
+def clip_range(actor: ActorConfig) -> tuple[float, float]:
+    """The ratio's clip range below and above 1: as in verl, actor.clip_ratio on a side whose own
+    key (clip_ratio_low, clip_ratio_high) is null."""
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    return low, actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
+
+
+def _ppo_loss(plans: Sequence[AdapterPlan], denoms: list[float]) -> LossFn:
+    """The micro-batch's PPO-clip loss: each adapter's on its own rows (one contiguous segment per
+    adapter, TrainBatch.segments) with its own settings and normaliser, summed; metrics keyed
+    (adapter, key). Rows of other adapters never enter an adapter's loss, so its gradient is its
+    own loss's."""
 
     def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
-        segments = mb.segments()
-        if len(segments) == 1:
-            i = segments[0][0]
-            loss, m = fns[i](mb, logp, entropy)
-            return loss, {(i, k): v for k, v in m.items()}
         total, metrics = None, {}
+        segments = mb.segments()
         for i, rows in segments:
-            loss, m = fns[i](mb.select(rows), logp[rows], None if entropy is None else entropy[rows])
+            part, lp, ent = mb, logp, entropy
+            if len(segments) > 1:
+                part, lp, ent = mb.select(rows), logp[rows], None if entropy is None else entropy[rows]
+            a, c, denom, norm_len = plans[i].actor, plans[i].correction, denoms[i], plans[i].norm_len
+            mask = part.response_mask
+            # The trainer's log-probs of the sampled tokens at the sampling weights: this forward's
+            # own, detached, on the on-policy path (so token TIS costs no extra pass).
+            trainer = lp.detach() if part.old_logp is None else part.old_logp
+            old = part.rollout_logp if c.bypass else trainer
+            weights = part.is_weights
+            if part.rollout_logp is not None and not c.first:
+                # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
+                weights, _, corr = rcorr.correct(trainer, part.rollout_logp, mask, c.level, c.threshold)
+                metrics.update({(i, keys.rollout_corr_key(k)): v for k, v in corr.items()})
+            clip_low, clip_high = clip_range(a)
+            loss, pg_metrics = losses.policy_loss(
+                lp,
+                old,
+                part.advantages,
+                mask,
+                clip_ratio_low=clip_low,
+                clip_ratio_high=clip_high,
+                clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=a.loss_agg_mode,
+                denom=denom,
+                norm_len=norm_len,
+                mode=a.policy_loss,
+                weights=None if c.bypass else weights,
+            )
+            metrics.update({(i, keys.actor_key(k)): v for k, v in pg_metrics.items()})
+            if ent is not None:
+                if a.entropy_coeff != 0.0:
+                    loss = loss - a.entropy_coeff * losses.agg_loss(ent, mask, a.loss_agg_mode, denom, norm_len)
+                metrics[i, keys.ACTOR_ENTROPY.key] = losses.masked_mean(ent.detach(), mask)
+            if a.use_kl_loss:
+                kl = losses.kl_penalty(lp, part.ref_logp, a.kl_loss_type)
+                loss = loss + a.kl_loss_coef * losses.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
+                metrics[i, keys.ACTOR_KL_LOSS.key] = losses.masked_mean(kl.detach(), mask)
+            metrics[i, LOSS_KEY] = loss.detach()
             total = loss if total is None else total + loss
-            metrics.update({(i, k): v for k, v in m.items()})
         return total, metrics
-
-    return loss_fn
-
-
-def _ppo_loss(a: ActorConfig, denom: float, c: Correction, norm_len: int) -> LossFn:
-    def loss_fn(mb: TrainBatch, logp: torch.Tensor, entropy: torch.Tensor | None):
-        mask = mb.response_mask
-        # The trainer's log-probs of the sampled tokens at the sampling weights: this forward's
-        # own, detached, on the on-policy path (so token TIS costs no extra pass).
-        trainer = logp.detach() if mb.old_logp is None else mb.old_logp
-        old = mb.rollout_logp if c.bypass else trainer
-        metrics: dict[str, float] = {}
-        weights = mb.is_weights
-        if mb.rollout_logp is not None and not c.first:
-            # Measured every step, applied when algorithm.rollout_correction.rollout_is asks.
-            weights, _, corr = rcorr.correct(trainer, mb.rollout_logp, mask, c.level, c.threshold)
-            metrics.update({keys.rollout_corr_key(k): v for k, v in corr.items()})
-        pg_loss, pg_metrics = losses.policy_loss(
-            logp,
-            old,
-            mb.advantages,
-            mask,
-            clip_ratio_low=a.clip_low,
-            clip_ratio_high=a.clip_high,
-            clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode,
-            denom=denom,
-            norm_len=norm_len,
-            mode=a.policy_loss,
-            weights=None if c.bypass else weights,
-        )
-        loss = pg_loss
-        metrics.update({keys.actor_key(k): v for k, v in pg_metrics.items()})
-        if entropy is not None:
-            if a.entropy_coeff != 0.0:
-                loss = loss - a.entropy_coeff * losses.agg_loss(entropy, mask, a.loss_agg_mode, denom, norm_len)
-            metrics[keys.ACTOR_ENTROPY.key] = losses.masked_mean(entropy.detach(), mask)
-        if a.use_kl_loss:
-            kl = losses.kl_penalty(logp, mb.ref_logp, a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * losses.agg_loss(kl, mask, a.loss_agg_mode, denom, norm_len)
-            metrics[keys.ACTOR_KL_LOSS.key] = losses.masked_mean(kl.detach(), mask)
-        metrics[LOSS_KEY] = loss.detach()
-        return loss, metrics
 
     return loss_fn

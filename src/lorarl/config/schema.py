@@ -306,14 +306,6 @@ class ActorConfig:
     policy_loss: str = MISSING
     grad_clip: float = MISSING
 
-    @property
-    def clip_low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def clip_high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
-
     def check(self) -> None:
         one_of("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)
         one_of("actor.loss_agg_mode", self.loss_agg_mode, AGG_MODES)

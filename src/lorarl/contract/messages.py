@@ -119,6 +119,7 @@ class RolloutSetup:
     dtype: object  # torch.dtype
     sleep_plan: str
     rollout_start_seconds: float
+    engine_build_seconds: float = 0.0  # it builds no training engine (beside WorkerSetup's, for the start-up's)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ every call waits on all workers and re-raises the first failure.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from lorarl.contract.messages import (
     SyncRequest,
     UpdateReport,
     UpdateRequest,
+    WorkerSetup,
 )
 from lorarl.contract.specs import WorkerSpec
 from lorarl.errors import ConfigError, LorarlError, TrainingError
@@ -97,6 +100,29 @@ def failure_line(err, who: str, trace_file: Path | None) -> LorarlError:
     return TrainingError(line)
 
 
+@dataclass(frozen=True)
+class Actor:
+    """One Ray actor a group places: its class, its own keyword arguments (beside the spec, the
+    device, its threads and the run folder every actor gets), the bundle it sits in, and the
+    actor (by index) at whose rendezvous its process group meets."""
+
+    cls: type
+    kwargs: dict
+    bundle: int
+    meets: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a group places: one resource bundle per node (several: spread over nodes; one: packed
+    on one node), its actors in rank order, and the ConfigError's line when no node of the
+    cluster can hold a bundle (`{fitting}`: nodes that could, `{need}`: what a bundle needs)."""
+
+    bundles: list[dict]
+    actors: list[Actor]
+    refusal: str
+
+
 class WorkerGroup:
     def __init__(
         self,
@@ -119,6 +145,7 @@ class WorkerGroup:
         self.world_size = run.world_size
         self.workers: list = []
         self.pg = None
+        layout = self.layout(run, device)
         t0 = time.perf_counter()
         started_ray = not ray.is_initialized()
         # ray.init replaces the driver's SIGTERM handler with one that kills Ray's processes
@@ -136,7 +163,7 @@ class WorkerGroup:
                 # then fails on num_cpus; joining a cluster is asked for with RAY_ADDRESS.
                 ray.init(
                     address="local",
-                    num_cpus=max(os.cpu_count() or 1, self.actors_of(run)),
+                    num_cpus=max(os.cpu_count() or 1, len(layout.actors)),
                     include_dashboard=False,
                     logging_level="ERROR",
                     configure_logging=True,
@@ -150,70 +177,82 @@ class WorkerGroup:
         # Where the start-up time went, logged once at step 0.
         self.startup: dict[str, float] = {keys.INIT_TIMING_RAY_INIT.key: time.perf_counter() - t0}
         try:
-            self._start(run, spec, device)
+            self._adopt(run, self._start(layout, spec, device))
         except BaseException:
             # A worker that failed in setup, or a signal while waiting: leave no actors, placement
             # group or Ray processes behind.
             self.shutdown()
             raise
 
-    @staticmethod
-    def actors_of(run: RunConfig) -> int:
-        """The Ray actors this group places (one CPU each)."""
-        return run.world_size
-
     def describe(self) -> str:
         """One line for the log: where the workers run."""
         return describe_placement(self.placement)
 
-    def _start(self, run: RunConfig, spec: WorkerSpec, device: str) -> None:
+    # ---- start-up: one for every placement; `layout` and `_adopt` say what differs -----------
+
+    def layout(self, run: RunConfig, device: str) -> Layout:
+        """Colocated: one Worker per device, one process group. One bundle per node holding all of
+        that node's workers, and STRICT_SPREAD over nodes: exactly n_gpus_per_node workers on each
+        of nnodes distinct nodes. One bundle per device with PACK or SPREAD would let Ray put 3
+        workers on one node and 1 on another, and ranks of one node would not be consecutive
+        (NCCL's intra-node rings and tensor-parallel groups want them consecutive)."""
+        t = run.trainer
+        per_node = t.n_gpus_per_node
+        bundle = {"GPU": per_node, "CPU": per_node} if device == "cuda" else {"CPU": per_node}
+        workers = [
+            Actor(Worker, {"rank": i, "world_size": run.world_size}, bundle=i // per_node, meets=0)
+            for i in range(run.world_size)
+        ]
+        refusal = (
+            f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={per_node}: the Ray cluster has {{fitting}} alive "
+            f"node(s) with {{need}} each, {t.nnodes} are needed; lower trainer.nnodes / trainer.n_gpus_per_node or add nodes"
+        )
+        return Layout([bundle] * t.nnodes, workers, refusal)
+
+    def _start(self, layout: Layout, spec: WorkerSpec, device: str) -> list:
+        """Place the layout's actors, start their processes, meet, set up; each actor's setup."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        t = run.trainer
-        per_node = t.n_gpus_per_node
-        resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
-        # One bundle per node holding all of that node's workers, and STRICT_SPREAD over nodes:
-        # exactly n_gpus_per_node workers on each of nnodes distinct nodes. One bundle per device
-        # with PACK or SPREAD would let Ray put 3 workers on one node and 1 on another, and ranks
-        # of one node would not be consecutive (NCCL's intra-node rings and tensor-parallel groups
-        # want them consecutive).
         t0 = time.perf_counter()
-        bundle = {"GPU": per_node, "CPU": per_node} if device == "cuda" else {"CPU": per_node}
-        self.pg = placement_group([bundle] * t.nnodes, strategy="STRICT_SPREAD" if t.nnodes > 1 else "STRICT_PACK")
-        self._wait_for_placement(t.nnodes, per_node, bundle)
-        # On CPU the workers of a node share its cores: torch threads per worker from the CPUs
-        # that node declares (nodes of a cluster may differ from the driver's).
+        self.pg = placement_group(
+            layout.bundles, strategy="STRICT_SPREAD" if len(layout.bundles) > 1 else "STRICT_PACK"
+        )
+        self._wait_for_placement(layout)
+        # On CPU the actors of a bundle share its node's cores: torch threads per actor from the
+        # CPUs that node declares (nodes of a cluster may differ from the driver's).
         cpus = _bundle_cpus(self.pg) if device == "cpu" else {}
-        threads = [max(1, int(cpus[i // per_node]) // per_node) if cpus else None for i in range(self.world_size)]
-        actor_cls = ray.remote(Worker)
+        sharing = collections.Counter(a.bundle for a in layout.actors)
+        resources = {"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}
+        remote = {a.cls: ray.remote(a.cls) for a in layout.actors}
+        run_dir = str(self.run_dir) if self.run_dir is not None else None
         self.workers = [
-            actor_cls.options(
+            remote[a.cls]
+            .options(
                 **resources,
                 # Per actor, so it holds also when the caller connected to Ray (a Hydra launcher
                 # task, a notebook) and no job-level runtime_env was set.
                 runtime_env={"env_vars": worker_env()},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i // per_node
+                    placement_group=self.pg, placement_group_bundle_index=a.bundle
                 ),
-            ).remote(
-                spec,
-                rank=i,
-                world_size=self.world_size,
-                device=device,
-                threads=threads[i],
-                run_dir=str(self.run_dir) if self.run_dir is not None else None,
             )
-            for i in range(self.world_size)
+            .remote(
+                spec,
+                **a.kwargs,
+                device=device,
+                threads=max(1, int(cpus[a.bundle]) // sharing[a.bundle]) if cpus else None,
+                run_dir=run_dir,
+            )
+            for a in layout.actors
         ]
         self.placement = self._get([w.location.remote() for w in self.workers])
-        rendezvous = self._get([self.workers[0].rendezvous.remote()])[0]
+        # Each process group meets where its first actor's node offers a port.
+        leaders = sorted({a.meets for a in layout.actors})
+        meet = dict(zip(leaders, self._get([self.workers[i].rendezvous.remote() for i in leaders])))
         t1 = time.perf_counter()
-        setups = self._get([w.setup.remote(rendezvous) for w in self.workers], "set-up")
-        self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
-        self.sleep_plans = [s.sleep_plan for s in setups]
-        self.rollout_sleeps = any(s.rollout_sleeps for s in setups)
+        setups = self._get([w.setup.remote(meet[a.meets]) for w, a in zip(self.workers, layout.actors)], "set-up")
         # The slowest worker's stages: the others wait for it at the first collective.
         self.startup.update(
             {
@@ -223,31 +262,36 @@ class WorkerGroup:
                 keys.INIT_TIMING_WORKER_SETUP.key: time.perf_counter() - t1,
             }
         )
+        return setups
+
+    def _adopt(self, run: RunConfig, setups: list[WorkerSetup]) -> None:
+        """What the workers' setups say: their data-parallel places, their sleep plans, and which
+        vLLM engine each holds a shard of."""
+        self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
         self.dp_size = self.dp[0][1]
+        self.sleep_plans = [s.sleep_plan for s in setups]
+        self.rollout_sleeps = any(s.rollout_sleeps for s in setups)
         # Rollout replicas are vLLM engines: T consecutive workers share one with tensor
         # parallelism T, get the same prompts and seed, and return the same samples.
         tp = run.rollout.tensor_model_parallel_size
         self.rollout_replica = [i // tp for i in range(self.world_size)]
         self.rollout_size = self.world_size // tp
 
-    def _wait_for_placement(self, nnodes: int, per_node: int, bundle: dict) -> None:
+    def _wait_for_placement(self, layout: Layout) -> None:
         """Wait until Ray reserved the bundles. A cluster that is busy is waited for; one whose
         alive nodes could never hold them fails in one line (after PLACEMENT_GRACE_S on a cluster
         this driver joined, where nodes may still be starting, e.g. the workers of an sbatch job)."""
         import ray
 
+        bundle = layout.bundles[0]
         deadline = time.monotonic() + (0 if self._owns_local_ray else PLACEMENT_GRACE_S)
         while not ray.wait([self.pg.ready()], timeout=5)[0]:
             fitting = _nodes_that_fit(bundle)
-            if fitting >= nnodes:
+            if fitting >= len(layout.bundles):
                 deadline = time.monotonic() + PLACEMENT_GRACE_S  # feasible: busy, keep waiting
             elif time.monotonic() >= deadline:
                 need = ", ".join(f"{v} {k}" for k, v in bundle.items())
-                raise ConfigError(
-                    f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node}: "
-                    f"the Ray cluster has {fitting} alive node(s) with {need} each, {nnodes} are needed; "
-                    "lower trainer.nnodes / trainer.n_gpus_per_node or add nodes"
-                )
+                raise ConfigError(layout.refusal.format(fitting=fitting, need=need))
 
     # ---- the step: three round trips --------------------------------------------------------
 
@@ -326,7 +370,7 @@ class WorkerGroup:
 
     def _report_stall(self, what: str) -> None:
         """Once per call that outlasts trainer.stall_report_s: the workers wrote their stacks at
-        that moment (lorarl.workers.worker's watched calls) and go on; so does this wait."""
+        that moment (Worker.watch) and go on; so does this wait."""
         where = f"{self.run_dir}/{STACKS_GLOB}" if self.run_dir is not None else "not written (no run folder)"
         self.say(
             f"the workers' {what} is still running after trainer.stall_report_s={self.stall_s:g} s; "

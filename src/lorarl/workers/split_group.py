@@ -13,82 +13,44 @@ from __future__ import annotations
 
 import time
 
-from lorarl import metrics as keys
 from lorarl.config.run import RunConfig
 from lorarl.contract.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
-from lorarl.contract.specs import WorkerSpec
-from lorarl.errors import ConfigError
-from lorarl.workers.group import WorkerGroup, _bundle_cpus, describe_placement
+from lorarl.workers.group import Actor, Layout, WorkerGroup, describe_placement
 from lorarl.workers.split_workers import AWAKE_PLAN, RolloutWorker, TrainerWorker
-from lorarl.workers.worker import worker_env
 
 
 class SplitWorkerGroup(WorkerGroup):
-    @staticmethod
-    def actors_of(run: RunConfig) -> int:
-        return run.world_size + (run.rollout.n_workers or 1)
-
-    def _start(self, run: RunConfig, spec: WorkerSpec, device: str) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+    def layout(self, run: RunConfig, device: str) -> Layout:
+        """The training workers (one process group, FSDP over them), then the rollout workers (a
+        process group each, holding one vLLM engine), all in one bundle on one node
+        (lorarl.config.validate.check_placement)."""
         n_train, n_rollout = run.world_size, run.rollout.n_workers or 1
         actors = n_train + n_rollout
-        t0 = time.perf_counter()
-        # One node (lorarl.config.validate.check_placement): every actor in one bundle.
-        bundle = {"GPU": actors, "CPU": actors} if device == "cuda" else {"CPU": actors}
-        self.pg = placement_group([bundle], strategy="STRICT_PACK")
-        try:
-            self._wait_for_placement(1, actors, bundle)
-        except ConfigError:
-            raise ConfigError(
-                f"trainer.placement=split needs {n_train} training (trainer.n_gpus_per_node) + {n_rollout} rollout "
-                f"(rollout.n_workers) {'GPUs' if device == 'cuda' else 'CPUs'} on one node, and no node of the Ray "
-                "cluster has them; lower those, or set trainer.placement=colocated"
-            ) from None
-        threads = max(1, int(_bundle_cpus(self.pg)[0]) // actors) if device == "cpu" else None
-
-        def options(cls):
-            return ray.remote(cls).options(
-                **({"num_gpus": 1, "num_cpus": 1} if device == "cuda" else {"num_cpus": 1}),
-                runtime_env={"env_vars": worker_env()},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg),
-            )
-
-        run_dir = str(self.run_dir) if self.run_dir is not None else None
-        common = {"device": device, "threads": threads, "run_dir": run_dir}
-        self.trainers = [
-            options(TrainerWorker).remote(spec, rank=i, world_size=n_train, **common) for i in range(n_train)
+        trainers = [Actor(TrainerWorker, {"rank": i, "world_size": n_train}, bundle=0, meets=0) for i in range(n_train)]
+        rollouts = [
+            Actor(RolloutWorker, {"index": i, "log_rank": n_train + i}, bundle=0, meets=n_train + i)
+            for i in range(n_rollout)
         ]
-        self.rollouts = [
-            options(RolloutWorker).remote(spec, index=i, log_rank=n_train + i, **common) for i in range(n_rollout)
-        ]
-        self.workers = self.trainers + self.rollouts  # what a failure kills and shutdown stops
-        self.placement = self._get([w.location.remote() for w in self.workers])
-        meet = self._get([w.rendezvous.remote() for w in [self.trainers[0], *self.rollouts]])
-        t1 = time.perf_counter()
-        setups = self._get(
-            [w.setup.remote(meet[0]) for w in self.trainers]
-            + [w.setup.remote(m) for w, m in zip(self.rollouts, meet[1:])],
-            "set-up",
+        refusal = (
+            f"trainer.placement=split needs {n_train} training (trainer.n_gpus_per_node) + {n_rollout} rollout "
+            f"(rollout.n_workers) {'GPUs' if device == 'cuda' else 'CPUs'} on one node, and no node of the Ray "
+            "cluster has them; lower those, or set trainer.placement=colocated"
         )
-        trained, rolled = setups[:n_train], setups[n_train:]
-        self.dp = [(s.dp_rank, s.dp_size) for s in trained]
+        bundle = {"GPU": actors, "CPU": actors} if device == "cuda" else {"CPU": actors}
+        return Layout([bundle], trainers + rollouts, refusal)
+
+    def _adopt(self, run: RunConfig, setups: list) -> None:
+        """The training workers' data-parallel places; the dtype the rollout workers' vLLM holds
+        LoRA in (the trainer exports in it); one engine per rollout worker, never asleep."""
+        n_train = run.world_size
+        self.trainers, self.rollouts = self.workers[:n_train], self.workers[n_train:]
+        self.dp = [(s.dp_rank, s.dp_size) for s in setups[:n_train]]
         self.dp_size = self.dp[0][1]
-        self.rollout_dtype = rolled[0].dtype
+        self.rollout_dtype = setups[n_train].dtype
         self.sleep_plans = [AWAKE_PLAN]
         self.rollout_sleeps = False
-        self.startup.update(
-            {
-                keys.INIT_TIMING_WORKERS_START.key: t1 - t0,
-                keys.INIT_TIMING_ROLLOUT_START.key: max(s.rollout_start_seconds for s in rolled),
-                keys.INIT_TIMING_ENGINE_BUILD.key: max(s.engine_build_seconds for s in trained),
-                keys.INIT_TIMING_WORKER_SETUP.key: time.perf_counter() - t1,
-            }
-        )
-        self.rollout_replica = list(range(n_rollout))
-        self.rollout_size = n_rollout
+        self.rollout_replica = list(range(len(self.rollouts)))
+        self.rollout_size = len(self.rollouts)
         self._in_flight: list | None = None
 
     def describe(self) -> str:

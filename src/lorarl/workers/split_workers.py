@@ -19,7 +19,7 @@ from lorarl.contract.messages import Rendezvous, RolloutSetup, SyncReport, SyncR
 from lorarl.contract.specs import WorkerSpec
 from lorarl.sync.split import SyncBundle, SyncReceiver, SyncSender, TrainerProbe
 from lorarl.workers.stall_report import stacks_file
-from lorarl.workers.worker import Worker, make_engine, watched
+from lorarl.workers.worker import Worker, make_engine
 
 AWAKE_PLAN = "rollout: vLLM has devices of its own and stays awake (trainer.placement=split)"
 
@@ -40,36 +40,38 @@ class AwakeRollout:
 class TrainerWorker(Worker):
     """One rank of the training engine; no vLLM in this process."""
 
-    @watched
     def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, then the engine (its own copy of the base: vLLM is elsewhere)."""
-        self._join_group(rendezvous)
-        t0 = time.perf_counter()
-        self.engine = make_engine(self.spec.engine, self.device)
-        self.sleep = AwakeRollout()
-        self.sender = SyncSender(self.spec.sync, self.engine)
-        self.correction = Correction.of(self.spec.rollout_correction, self.device.type, self.spec.off_policy_steps > 0)
-        return WorkerSetup(
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            sleep_plan=AWAKE_PLAN,
-            rollout_sleeps=False,
-            rollout_start_seconds=0.0,
-            engine_build_seconds=time.perf_counter() - t0,
-        )
+        with self.watch():
+            self._join_group(rendezvous)
+            t0 = time.perf_counter()
+            self.engine = make_engine(self.spec.engine, self.device)
+            self.sleep = AwakeRollout()
+            self.sender = SyncSender(self.spec.sync, self.engine)
+            self.correction = Correction.of(
+                self.spec.rollout_correction, self.device.type, self.spec.off_policy_steps > 0
+            )
+            return WorkerSetup(
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                sleep_plan=AWAKE_PLAN,
+                rollout_sleeps=False,
+                rollout_start_seconds=0.0,
+                engine_build_seconds=time.perf_counter() - t0,
+            )
 
-    @watched
     def sync_export(self, request: SyncRequest, dtype: torch.dtype) -> list[SyncBundle] | None:
         """The bundles for the rollout workers after the update of `request.step`, in vLLM's LoRA
         `dtype`. Collective; rank 0 returns them (every rank holds the same), the others None."""
-        bundles = self.sender.bundles(request, dtype)
-        return bundles if self.rank == 0 else None
+        with self.watch():
+            bundles = self.sender.bundles(request, dtype)
+            return bundles if self.rank == 0 else None
 
-    @watched
     def probe_logprobs(self, sequences: list[list[int]]) -> TrainerProbe | None:
         """The trainer's log-probs of a rollout worker's probe sequences. Collective; rank 0's result."""
-        result = self.sender.probe_logprobs(sequences)
-        return result if self.rank == 0 else None
+        with self.watch():
+            result = self.sender.probe_logprobs(sequences)
+            return result if self.rank == 0 else None
 
 
 class RolloutWorker(Worker):
@@ -86,31 +88,31 @@ class RolloutWorker(Worker):
     def rollout_rank(self) -> int:
         return self.index
 
-    @watched
     def setup(self, rendezvous: Rendezvous) -> RolloutSetup:
-        from lorarl.rollout.vllm.engine import VLLMRollout
+        with self.watch():
+            from lorarl.rollout.vllm.engine import VLLMRollout
 
-        self._join_group(rendezvous)
-        spec = self.spec
-        t0 = time.perf_counter()
-        self.rollout = VLLMRollout(
-            spec.rollout.engine_args[self.index],
-            adapter_transport=spec.rollout.adapter_transport,
-            fingerprint_base=spec.rollout.fingerprint_base,
-        )
-        # generate() sets the probe sequences through sync_session (duck-typed: wants_probes, set_probes).
-        self.sync_session = self.receiver = SyncReceiver(spec.sync, self.rollout, self.index)
-        return RolloutSetup(self.rollout.torch_dtype, AWAKE_PLAN, time.perf_counter() - t0)
+            self._join_group(rendezvous)
+            spec = self.spec
+            t0 = time.perf_counter()
+            self.rollout = VLLMRollout(
+                spec.rollout.engine_args[self.index],
+                adapter_transport=spec.rollout.adapter_transport,
+                fingerprint_base=spec.rollout.fingerprint_base,
+            )
+            # generate() sets the probe sequences through sync_session (duck-typed: wants_probes, set_probes).
+            self.sync_session = self.receiver = SyncReceiver(spec.sync, self.rollout, self.index)
+            return RolloutSetup(self.rollout.torch_dtype, AWAKE_PLAN, time.perf_counter() - t0)
 
-    @watched
     def sync_receive(self, bundles: list[SyncBundle], request: SyncRequest) -> tuple[SyncReport, list | None]:
         """Load and check the trainer's bundles; (the report, the probe sequences when the probe is due)."""
-        report = self.receiver.receive(bundles)
-        if self.receiver.version is not None:
-            self.adapter_version = self.receiver.version
-        return report, self.receiver.probe_due(request)
+        with self.watch():
+            report = self.receiver.receive(bundles)
+            if self.receiver.version is not None:
+                self.adapter_version = self.receiver.version
+            return report, self.receiver.probe_due(request)
 
-    @watched
     def probe_judge(self, trainer: TrainerProbe, report: SyncReport, seconds: float) -> SyncReport:
         """The probe judged here, against the trainer's log-probs; the report with its reading."""
-        return self.receiver.judge(trainer, report, seconds)
+        with self.watch():
+            return self.receiver.judge(trainer, report, seconds)

@@ -9,14 +9,14 @@ checks (lorarl.sync.session), the PPO update (lorarl.algorithms.ppo), the checkp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import gc
 import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,18 +52,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def watched(method):
-    """A worker call that writes this worker's Python stacks if it runs past
-    trainer.stall_report_s (lorarl.workers.stall_report), and goes on."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        with stacks_after(self.stacks_path, self.spec.stall_report_s):
-            return method(self, *args, **kwargs)
-
-    return call
-
-
 class Worker:
     def __init__(
         self,
@@ -91,6 +79,12 @@ class Worker:
         self._in_flight: InFlight | None = None  # a generation running beside the update (generate_start)
         self._update_stream = None  # CUDA, off-policy: the stream every update runs on (update)
 
+    def watch(self) -> contextlib.AbstractContextManager:
+        """The stall watch around a call of the driver's that does work (setup, the step's calls,
+        the checkpoints'): past trainer.stall_report_s this worker's Python stacks go to its stacks
+        file (lorarl.workers.stall_report), and the call goes on."""
+        return stacks_after(self.stacks_path, self.spec.stall_report_s)
+
     # Ray calls these on every worker before anything else.
     def location(self) -> Placement:
         """Where Ray placed this worker: node id and IP, process id, and its GPUs (empty on CPU)."""
@@ -115,49 +109,49 @@ class Worker:
             port = s.getsockname()[1]
         return Rendezvous(master_addr=ray.util.get_node_ip_address(), master_port=port)
 
-    @watched
     def setup(self, rendezvous: Rendezvous) -> WorkerSetup:
         """Process group, rollout, then engine."""
-        from lorarl.rollout.vllm.engine import VLLMRollout
+        with self.watch():
+            from lorarl.rollout.vllm.engine import VLLMRollout
 
-        spec = self.spec
-        self._join_group(rendezvous)
-        # vLLM first: on a GPU it sizes its KV cache from the memory still free.
-        t0 = time.perf_counter()
-        self.rollout = VLLMRollout(
-            # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
-            spec.rollout.engine_args[self.rollout_rank],
-            adapter_transport=spec.rollout.adapter_transport,
-            fingerprint_base=spec.rollout.fingerprint_base,
-            share_weights=spec.base_plan.shared,
-        )
-        t1 = time.perf_counter()
-        # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
-        base = engine_base_views(self.rollout) if spec.base_plan.shared else None
-        self.engine = make_engine(spec.engine, self.device, base=base)
-        t2 = time.perf_counter()
-        self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
-        # One sync session per adapter, each over its adapter and LoRA slot: a run's one, or each
-        # job's of a sweep group, synced, checked and probed as that job alone would be.
-        adapters = spec.engine.adapters
-        self.sync_sessions = [
-            SyncSession(
-                dataclasses.replace(spec.sync, fault=adapter.sync_fault),
-                AdapterView(self.engine, i),
-                self.rollout if len(adapters) == 1 else self.rollout.slot(i),
-                self.rank,
+            spec = self.spec
+            self._join_group(rendezvous)
+            # vLLM first: on a GPU it sizes its KV cache from the memory still free.
+            t0 = time.perf_counter()
+            self.rollout = VLLMRollout(
+                # The ranks of one engine sample in lockstep: its arguments, seed included, are theirs.
+                spec.rollout.engine_args[self.rollout_rank],
+                adapter_transport=spec.rollout.adapter_transport,
+                fingerprint_base=spec.rollout.fingerprint_base,
+                share_weights=spec.base_plan.shared,
             )
-            for i, adapter in enumerate(adapters)
-        ]
-        self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
-        return WorkerSetup(
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            sleep_plan=str(self.sleep.plan),
-            rollout_sleeps=self.sleep.sleeps,
-            rollout_start_seconds=t1 - t0,
-            engine_build_seconds=t2 - t1,
-        )
+            t1 = time.perf_counter()
+            # Shared base: the trainer's frozen weights are views of the engine's (lorarl.engines.shared_base).
+            base = engine_base_views(self.rollout) if spec.base_plan.shared else None
+            self.engine = make_engine(spec.engine, self.device, base=base)
+            t2 = time.perf_counter()
+            self.sleep = RolloutSleep(spec.sleep, self.device, self.rollout)
+            # One sync session per adapter, each over its adapter and LoRA slot: a run's one, or each
+            # job's of a sweep group, synced, checked and probed as that job alone would be.
+            adapters = spec.engine.adapters
+            self.sync_sessions = [
+                SyncSession(
+                    dataclasses.replace(spec.sync, fault=adapter.sync_fault),
+                    AdapterView(self.engine, i),
+                    self.rollout if len(adapters) == 1 else self.rollout.slot(i),
+                    self.rank,
+                )
+                for i, adapter in enumerate(adapters)
+            ]
+            self.correction = Correction.of(spec.rollout_correction, self.device.type, spec.off_policy_steps > 0)
+            return WorkerSetup(
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                sleep_plan=str(self.sleep.plan),
+                rollout_sleeps=self.sleep.sleeps,
+                rollout_start_seconds=t1 - t0,
+                engine_build_seconds=t2 - t1,
+            )
 
     def _join_group(self, rendezvous: Rendezvous) -> None:
         """This worker's process group (rank, world size), bound to its device; RNGs seeded by rank."""
@@ -211,29 +205,29 @@ class Worker:
 
     # ---- the step: generate, update, sync --------------------------------------------------
 
-    @watched
     def generate(self, request: GenerateRequest) -> Rollouts:
-        version = self.adapter_version
-        out = self.rollout.sample(
-            request.prompt_ids,
-            n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            max_tokens=request.max_tokens,
-            seed=request.seed,
-            slots=request.adapters,
-            temperatures=request.temperatures,
-            top_ps=request.top_ps,
-        )
-        if request.for_training:
-            # Each adapter's probe sequences: its first training prompts, each with its first sample.
-            adapters = request.adapters or [0] * len(request.prompt_ids)
-            for i, session in enumerate(self.sync_sessions):
-                if session.wants_probes and i in adapters:
-                    rows = [k for k, a in enumerate(adapters) if a == i]
-                    session.set_probes([request.prompt_ids[k] + out.token_ids[k][0] for k in rows])
-        out.adapter_version = version
-        return out
+        with self.watch():
+            version = self.adapter_version
+            out = self.rollout.sample(
+                request.prompt_ids,
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed,
+                slots=request.adapters,
+                temperatures=request.temperatures,
+                top_ps=request.top_ps,
+            )
+            if request.for_training:
+                # Each adapter's probe sequences: its first training prompts, each with its first sample.
+                adapters = request.adapters or [0] * len(request.prompt_ids)
+                for i, session in enumerate(self.sync_sessions):
+                    if session.wants_probes and i in adapters:
+                        rows = [k for k, a in enumerate(adapters) if a == i]
+                        session.set_probes([request.prompt_ids[k] + out.token_ids[k][0] for k in rows])
+            out.adapter_version = version
+            return out
 
     def generate_start(self, request: GenerateRequest) -> None:
         """Begin `generate` in a thread of this process and return at once, so the update call that
@@ -253,74 +247,75 @@ class Worker:
         in_flight, self._in_flight = self._in_flight, None
         return in_flight.result()
 
-    @watched
     def update(self, request: UpdateRequest) -> UpdateReport:
         """Sleep the rollout, then the PPO update on this replica's samples. Collective.
 
         Old log-probs get their own pass only when the update is off-policy (several epochs or
         mini-batches); reference log-probs only when the KL loss uses them.
         """
-        timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
+        with self.watch():
+            timing = {"sleep_seconds": self.sleep.sleep(), "slept": self.sleep.sleeps}
+            a = self.spec.engine.actor  # the batch shape every adapter shares
+            plans = [
+                AdapterPlan(adapter.actor, sampling, self.correction)
+                for adapter, sampling in zip(self.spec.engine.adapters, request.samplings, strict=True)
+            ]
+            temperature = plans[0].sampling.temperature if len(plans) == 1 else [p.sampling.temperature for p in plans]
+            with self._update_stream_if_beside_vllm():
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    before = torch.cuda.memory_allocated(self.device)
+                    retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+                batch = build_batch(
+                    request.prompt_ids,
+                    request.response_ids,
+                    self.engine.pad_token_id,
+                    request.advantages,
+                    self.engine.left_pad_prompts,
+                    request.rollout_logprobs,
+                    request.adapters,
+                )
+                if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
+                    t0 = time.perf_counter()
+                    batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
+                    timing["old_logp_seconds"] = time.perf_counter() - t0
+                if any(p.actor.use_kl_loss for p in plans):
+                    t0 = time.perf_counter()
+                    batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
+                    timing["ref_logp_seconds"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                stats = ppo_update(self.engine, batch, request.step, plans)
+                timing["update_seconds"] = time.perf_counter() - t0
+                report = UpdateReport(ppo=stats, **timing)
+                if self.device.type == "cuda":
+                    highest = torch.cuda.max_memory_allocated(self.device)
+                    tokens = max(s.micro_batch_tokens_max for s in stats if s is not None)
+                    self.sleep.record_update(highest - before, int(tokens))
+                    report.max_allocated_gib = highest / 2**30
+                    report.update_peak_gib = (highest - before) / 2**30
+                    retried = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries
+                    report.alloc_retries = float(retried)
+            return report
+
+    @contextlib.contextmanager
+    def _update_stream_if_beside_vllm(self) -> Iterator[None]:
+        """Off-policy on CUDA, vLLM may be generating in another thread on the default stream. The
+        update then gets a stream of its own so its kernels run beside vLLM's instead of queueing
+        behind them, and it is the same stream for every update of the run: the caching allocator
+        reuses a freed block only on the stream that allocated it, so neither side can be handed
+        memory the other's queued kernels still use. vLLM stays on the default stream it started
+        on: run on a side stream of its own (its start-up buffers on the default one), it faulted
+        the GPU within three 7B steps, and ran clean with CUDA_LAUNCH_BLOCKING=1."""
         if self.device.type != "cuda" or not self.spec.off_policy_steps:
-            return self._update(request, timing)
-        # Off-policy, vLLM may be generating in another thread on the default stream. The update
-        # gets a stream of its own so its kernels run beside vLLM's instead of queueing behind
-        # them, and it is the same stream for every update of the run: the caching allocator
-        # reuses a freed block only on the stream that allocated it, so neither side can be handed
-        # memory the other's queued kernels still use. vLLM stays on the default stream it started
-        # on: run on a side stream of its own (its start-up buffers on the default one), it
-        # faulted the GPU within three 7B steps, and ran clean with CUDA_LAUNCH_BLOCKING=1.
+            yield
+            return
         if self._update_stream is None:
             self._update_stream = torch.cuda.Stream(self.device)
         self._update_stream.wait_stream(torch.cuda.current_stream(self.device))  # the sync's writes
         with torch.cuda.stream(self._update_stream):
-            report = self._update(request, timing)
+            yield
         self._update_stream.synchronize()  # the sync and the next step read what it wrote
-        return report
 
-    def _update(self, request: UpdateRequest, timing: dict) -> UpdateReport:
-        a = self.spec.engine.actor
-        plans = [
-            AdapterPlan(adapter.actor, sampling, self.correction)
-            for adapter, sampling in zip(self.spec.engine.adapters, request.samplings, strict=True)
-        ]
-        temperature = plans[0].sampling.temperature if len(plans) == 1 else [p.sampling.temperature for p in plans]
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
-        batch = build_batch(
-            request.prompt_ids,
-            request.response_ids,
-            self.engine.pad_token_id,
-            request.advantages,
-            self.engine.left_pad_prompts,
-            request.rollout_logprobs,
-            request.adapters,
-        )
-        if needs_old_logp(a, self.spec.train_batch_size, self.correction, self.spec.off_policy_steps > 0):
-            t0 = time.perf_counter()
-            batch.old_logp = self.engine.log_probs(batch, temperature=temperature)
-            timing["old_logp_seconds"] = time.perf_counter() - t0
-        if any(p.actor.use_kl_loss for p in plans):
-            t0 = time.perf_counter()
-            batch.ref_logp = self.engine.log_probs(batch, temperature=temperature, reference=True)
-            timing["ref_logp_seconds"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        stats = ppo_update(self.engine, batch, request.step, plans)
-        timing["update_seconds"] = time.perf_counter() - t0
-        report = UpdateReport(ppo=stats, **timing)
-        if self.device.type == "cuda":
-            highest = torch.cuda.max_memory_allocated(self.device)
-            self.sleep.record_update(
-                highest - before, int(max(s.micro_batch_tokens_max for s in stats if s is not None))
-            )
-            report.max_allocated_gib = highest / 2**30
-            report.update_peak_gib = (highest - before) / 2**30
-            report.alloc_retries = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - retries)
-        return report
-
-    @watched
     def sync(self, request: SyncRequest) -> list[SyncReport]:
         """Wake the rollout's weights, sync and check every adapter, wake its cache, probe; one
         report per adapter. Collective.
@@ -329,22 +324,23 @@ class Worker:
         before the probe, which generates. A generation still in flight (generate_start) ends
         first: the adapter it samples with is never replaced under it. The first adapter's sync
         brings the base too when vLLM lacks it."""
-        if self._in_flight is not None:
-            self._in_flight.wait()
-        t_wake = self.sleep.wake(["weights"])
-        reports = [self._each_adapter(i, lambda s: s.sync(request)) for i in range(len(self.sync_sessions))]
-        t_wake += self.sleep.wake(["kv_cache"])
-        for i, report in enumerate(reports):
-            self._each_adapter(i, lambda s, r=report: s.probe_if_due(request, r))
-        first = reports[0]
-        if self.sleep.sleeps:
-            first.wake_seconds = t_wake
-        # Awake again here, so a changed plan takes effect at the next update's sleep.
-        first.sleep_plan = self.sleep.replan()
-        if first.sleep_plan:
-            first.rollout_sleeps = self.sleep.sleeps
-        self.adapter_version = request.step if request.version is None else request.version
-        return reports
+        with self.watch():
+            if self._in_flight is not None:
+                self._in_flight.wait()
+            t_wake = self.sleep.wake(["weights"])
+            reports = [self._each_adapter(i, lambda s: s.sync(request)) for i in range(len(self.sync_sessions))]
+            t_wake += self.sleep.wake(["kv_cache"])
+            for i, report in enumerate(reports):
+                self._each_adapter(i, lambda s, r=report: s.probe_if_due(request, r))
+            first = reports[0]
+            if self.sleep.sleeps:
+                first.wake_seconds = t_wake
+            # Awake again here, so a changed plan takes effect at the next update's sleep.
+            first.sleep_plan = self.sleep.replan()
+            if first.sleep_plan:
+                first.rollout_sleeps = self.sleep.sleeps
+            self.adapter_version = request.step if request.version is None else request.version
+            return reports
 
     def _each_adapter(self, index: int, call):
         """`call(session)` for adapter `index`; where several adapters train, a failure names the
@@ -358,25 +354,25 @@ class Worker:
 
     # ---- checkpoints (the format: lorarl.files.checkpoint) ----------------------------------------
 
-    @watched
     def save_checkpoint(self, directories: Sequence[str]) -> None:
         """Each adapter's state into its own folder (a run's one; a group's, one per job)."""
-        for i, directory in enumerate(directories):
-            save_engine_state(AdapterView(self.engine, i), directory, self.rank)
-        dist.barrier()
+        with self.watch():
+            for i, directory in enumerate(directories):
+                save_engine_state(AdapterView(self.engine, i), directory, self.rank)
+            dist.barrier()
 
-    @watched
     def load_checkpoint(self, directories: Sequence[str]) -> None:
-        for i, directory in enumerate(directories):
-            load_engine_state(AdapterView(self.engine, i), directory, self.rank)
+        with self.watch():
+            for i, directory in enumerate(directories):
+                load_engine_state(AdapterView(self.engine, i), directory, self.rank)
 
-    @watched
     def export_adapter(self, directories: Sequence[str]) -> None:
         """Each trained adapter as a standard PEFT folder (rank 0 writes; collective); with expert
         LoRA also its per-expert copy for vLLM in `<directory>/vllm`."""
-        for i, directory in enumerate(directories):
-            self._export_adapter(AdapterView(self.engine, i), directory)
-        dist.barrier()
+        with self.watch():
+            for i, directory in enumerate(directories):
+                self._export_adapter(AdapterView(self.engine, i), directory)
+            dist.barrier()
 
     def _export_adapter(self, engine: AdapterView, directory: str) -> None:
         lora = engine.lora_state()
