@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench import common
+from lorarl import metrics as keys
 
 POINTS = "model.lora.rank=8,16 actor.optim.lr=1e-3,5e-4"
 # Per shape: the model preset, its vLLM memory share and the work of a step (prompts x samples x tokens).
@@ -104,16 +105,16 @@ def jobs_of(sweep_dir: Path) -> list[dict]:
     out = []
     for job in sorted(p for p in sweep_dir.iterdir() if (p / "metrics.jsonl").is_file()):
         rows = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        steps = [r for r in rows if "reward/mean" in r]
+        steps = [r for r in rows if keys.REWARD_MEAN.key in r]
         tail = steps[-max(1, len(steps) // 5) :]
-        val = [r["val/acc"] for r in rows if "val/acc" in r]
+        val = [r[keys.VAL_ACC.key] for r in rows if keys.VAL_ACC.key in r]
         out.append(
             {
                 "job": job.name,
                 "steps": len(steps),
-                "final_reward": statistics.fmean(r["reward/mean"] for r in tail) if tail else None,
+                "final_reward": statistics.fmean(r[keys.REWARD_MEAN.key] for r in tail) if tail else None,
                 "val_acc": val[-1] if val else None,
-                "step_s": statistics.median(r["timing/step"] for r in steps) if steps else None,
+                "step_s": statistics.median(r[keys.TIMING_STEP.key] for r in steps) if steps else None,
             }
         )
     return out
