@@ -5,6 +5,7 @@ subprocess that is stopped whole on timeout.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import importlib.metadata
 import json
@@ -346,15 +347,27 @@ class Sampler:
             stopped = self._stop.wait(self.interval_s)
             now = cpu_jiffies()
             sample = {"cpu_busy": 1.0 - (now[0] - last[0]) / (now[1] - last[1])} if now[1] > last[1] else {}
+            sample["children_rss_gib"] = children_rss_gib()
             self.samples.append({**sample, **((nvidia_smi(SAMPLED) or {}) if self.gpu else {})})
             last = now
 
     def summary(self) -> dict:
         out = {"interval_s": self.interval_s, "samples": len(self.samples)}
-        for key in ("cpu_busy", *SAMPLED) if self.gpu else ("cpu_busy",):
+        for key in ("cpu_busy", "children_rss_gib", *(SAMPLED if self.gpu else ())):
             xs = [v for s in self.samples if isinstance(v := s.get(key), float)]
             out[key] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)} if xs else None
         return out
+
+
+def children_rss_gib() -> float:
+    """Resident memory of this process's descendants (a run, its Ray workers, vLLM), summed."""
+    import psutil
+
+    total = 0
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total / 2**30
 
 
 def run_logged(cmd: list[str], env: dict, timeout: int, log: Path) -> tuple[int | None, str]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench import sweep_shared_base as bench
+from lorarl import metrics as keys
 
 
 def test_both_arms_run_the_same_sweep_and_differ_only_in_the_launcher(tmp_path):
@@ -17,14 +18,15 @@ def test_both_arms_run_the_same_sweep_and_differ_only_in_the_launcher(tmp_path):
     assert {"model.lora.rank=8,16", "actor.optim.lr=1e-3,5e-4", "trainer.total_steps=10"} <= set(basic)
     gpu = bench.sweep_command("0.5b", bench.POINTS, 6, tmp_path / "g", shared=True, model=Path("/m"))
     assert {"model.path=/m", "model.builder=null", "rollout.gpu_memory_utilization=0.5"} <= set(gpu)
+    assert bench.sequences_per_step(basic, tmp_path) == 16 * 8  # the default run's 16 prompts x 8 samples
 
 
 def test_the_report_reads_each_job_folder(tmp_path):
     for name, rewards in (("0_fsdp_qwen2_tiny_r8", [0.1, 0.2, 0.3, 0.4, 0.5]), ("1_fsdp_qwen2_tiny_r16", [0.2] * 5)):
         job = tmp_path / name
         job.mkdir()
-        rows = [{"step": 0, "val/acc": 0.1}] + [
-            {"step": i + 1, "reward/mean": r, "timing/step": 1.0 + i} for i, r in enumerate(rewards)
+        rows = [{"step": 0, keys.VAL_ACC.key: 0.1}] + [
+            {"step": i + 1, keys.REWARD_MEAN.key: r} for i, r in enumerate(rewards)
         ]
         (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     jobs = bench.jobs_of(tmp_path)

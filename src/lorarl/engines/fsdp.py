@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import time
 from collections.abc import Iterator, Sequence
 
@@ -38,19 +37,20 @@ from lorarl.contract.engine import (
 )
 from lorarl.contract.payload import PayloadKind, WeightPayload
 from lorarl.contract.specs import EngineSpec
+from lorarl.engines import fsdp_export
 from lorarl.engines.adapter_routing import AdapterRouter, Segments, route_adapters
-from lorarl.engines.fsdp_shard import compile_layers, fsdp_units, own_params, reshard_all, shard
+from lorarl.engines.fsdp_export import peft_name
+from lorarl.engines.fsdp_shard import compile_layers, reshard_all, shard
 from lorarl.engines.liger import LIGER_MODEL_TYPES, apply_liger_kernel
 from lorarl.engines.lora_linear import fuse_lora_linears
 from lorarl.engines.routed_expert_lora import route_expert_lora
 from lorarl.engines.shared_base import frozen_params, model_on_views
 from lorarl.errors import ModelError, first_line
 from lorarl.files.peft_io import peft_lora_config
-from lorarl.sync.experts import expert_delta, expert_wrappers
+from lorarl.sync.experts import expert_wrappers
 from lorarl.sync.semantic import Projection, trainer_loras, trainer_projections
 from lorarl.sync.semantic_merged import BaseProjections, base_projections, trainer_bases
 
-PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -346,11 +346,10 @@ class FSDPEngine:
         (a PEFT folder, a checkpoint) copy them there."""
         t0 = time.perf_counter()
         if kind is PayloadKind.ADAPTER:
-            gather = {
-                "bucketed": self._adapter_bucketed,
-                "layered": self._adapter_layered,
-            }
-            tensors = gather[method or self.EXPORT_METHODS[0]](dtype, adapter)
+            gather = {"bucketed": fsdp_export.adapter_bucketed, "layered": fsdp_export.adapter_layered}
+            tensors = gather[method or self.EXPORT_METHODS[0]](
+                self.model, self.adapter_names[adapter], self.device, dtype
+            )
             # Experts stay in PEFT's stacks (one pair per fused parameter, not 6 x E tensors a layer):
             # the rollout writes them into vLLM's per-expert slots (lorarl.sync.experts).
             payload = WeightPayload.adapter(tensors, self.adapter_config(adapter), self.expert_wrappers)
@@ -358,101 +357,10 @@ class FSDPEngine:
         merge = self.spec.model.lora.merge
         return WeightPayload.base(self.base_stream(merge=merge)), time.perf_counter() - t0
 
-    def _adapter_layered(self, dtype: torch.dtype | None = None, adapter: int = 0) -> dict[str, torch.Tensor]:
-        mine = f".{self.adapter_names[adapter]}."
-        out = {}
-        with torch.no_grad():
-            for prefix, unit in fsdp_units(self.model):
-                own = [(n, p) for n, p in own_params(unit) if "lora_" in n and mine in n]
-                if not own:
-                    continue
-                unit.unshard()
-                # Unsharded params are swapped in only while unsharded: read them now.
-                for n, p in own_params(unit):
-                    if "lora_" in n and mine in n:
-                        out[peft_name(prefix + n)] = p.detach().to(self.device, dtype=dtype, copy=True)
-                unit.reshard()
-        return out
-
-    def _adapter_bucketed(self, dtype: torch.dtype | None = None, adapter: int = 0) -> dict[str, torch.Tensor]:
-        """One all-gather of the adapter's LoRA shards: every rank pads its dim-0 chunk to ceil(rows/world)."""
-        mine = f".{self.adapter_names[adapter]}."
-        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and mine in n]
-        pieces, layout = [], []
-        for name, p in params:
-            rows = p.shape[0]
-            chunk = math.ceil(rows / self.world)
-            local = p.to_local() if isinstance(p, DTensor) else p
-            local = (
-                local.detach().reshape(local.shape[0], -1)
-                if local.numel()
-                else local.detach().new_zeros((0, int(math.prod(p.shape[1:]))))
-            )
-            padded = local.new_zeros((chunk, local.shape[1]))
-            padded[: local.shape[0]] = local
-            pieces.append(padded.reshape(-1).float())
-            layout.append((name, tuple(p.shape), chunk))
-        # On the compute device: with CPU offload the shards live in host memory, and NCCL
-        # gathers device tensors only.
-        flat = torch.cat(pieces).to(self.device)
-        gathered = torch.empty(self.world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat)
-        gathered = gathered.view(self.world, -1)
-        out, offset = {}, 0
-        for name, shape, chunk in layout:
-            cols = int(math.prod(shape[1:]))
-            width = chunk * cols
-            # Un-pad and reshape where the gather landed: reassembling the strided blocks on the
-            # CPU made this 6x slower than the layered gather on 2 x H200 at 7B
-            # (bench/results/gpu_2026-11-30).
-            block = gathered[:, offset : offset + width].reshape(self.world * chunk, cols)[: shape[0]]
-            out[peft_name(name)] = block.reshape(shape).to(dtype=dtype, copy=True)
-            offset += width
-        return out
-
     def base_stream(self, merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Plain-HF-named base weights, one FSDP unit unsharded at a time; merged W + BA if asked."""
-        scale = self.spec.model.lora.alpha / self.spec.model.lora.rank
-        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        with torch.no_grad():
-            for prefix, unit in fsdp_units(self.model):
-                unit.unshard()
-                own = dict(own_params(unit))
-                for name, p in own.items():
-                    if "lora_" in name:
-                        continue
-                    expert = self._expert_wrapper_of(prefix + name) if merge else None
-                    if merge and name.endswith(".base_layer.weight"):
-                        stem = name[: -len(".base_layer.weight")]
-                        a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
-                        tensor = (p.float() + scale * (b.float() @ a.float())).to(p.dtype)
-                    elif expert is not None:
-                        stem = expert.module[len(prefix) :]
-                        a, b = own[f"{stem}.lora_A.default.weight"], own[f"{stem}.lora_B.default.weight"]
-                        delta = expert_delta(a.float(), b.float(), expert.num_experts, scale)
-                        tensor = (p.float() + delta).to(p.dtype)
-                    else:
-                        # A copy on the trainer's device: the unsharded storage is freed at
-                        # reshard while vLLM may still hold the tensor, and the colocated engine
-                        # loads from the same device. Copying to the host made the 7B base
-                        # stream take 10.8 s on 2 x H200 (bench/results/gpu_2026-11-30).
-                        tensor = p.detach().clone()
-                    hf_name = _hf_name(prefix + name)
-                    yield hf_name, tensor
-                    if hf_name == "model.embed_tokens.weight" and tied:
-                        # HF state dicts list a tied head under its own name too; vLLM's
-                        # in-place reload only refreshes lm_head when it is sent. Its own copy:
-                        # consumers that save the stream refuse tensors sharing memory.
-                        yield "lm_head.weight", tensor.clone()
-                unit.reshard()
-
-    def _expert_wrapper_of(self, param_name: str):
-        """The PEFT wrapper over a stacked expert parameter (full name), or None."""
-        stem, _, leaf = param_name.rpartition(".")
-        for wrapper in self.expert_wrappers.values():
-            if wrapper.parameter == leaf and stem.startswith(wrapper.module + "."):
-                return wrapper
-        return None
+        lora = self.spec.model.lora
+        return fsdp_export.base_stream(self.model, self.expert_wrappers, lora.alpha / lora.rank, merge)
 
     # ---- sync checks -----------------------------------------------------------------------
 
@@ -474,7 +382,8 @@ class FSDPEngine:
 
     def lora_state(self, adapter: int = 0) -> dict[str, torch.Tensor]:
         """An adapter's full LoRA tensors under PEFT names, in host memory (collective)."""
-        return {name: t.cpu() for name, t in self._adapter_bucketed(adapter=adapter).items()}
+        named = fsdp_export.adapter_bucketed(self.model, self.adapter_names[adapter], self.device)
+        return {name: t.cpu() for name, t in named.items()}
 
     def optimizer_state(self, adapter: int = 0) -> dict:
         """An adapter's full (unsharded) optimizer state keyed by parameter name (collective)."""
@@ -530,14 +439,6 @@ def _jsonable(v) -> bool:
     return v is None or isinstance(v, (str, int, float, bool, list, dict))
 
 
-def peft_name(param_name: str) -> str:
-    """PEFT's saved adapter name: the adapter's name (`default`, or a group's own) is dropped."""
-    return _ADAPTER_IN_NAME.sub(r".lora_\1.", param_name)
-
-
-_ADAPTER_IN_NAME = re.compile(r"\.lora_(A|B)\.[^.]+\.")
-
-
 def adapter_params(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
     """The trainable parameters of adapter `name`, in the model's order."""
     mine = f".{name}."
@@ -548,12 +449,3 @@ def _warmup(steps: int):
     """The learning-rate factor at a step: linear warm-up over `steps`, then 1."""
     warm = max(steps, 0)
     return lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
-
-
-def _hf_name(param_name: str) -> str:
-    name = param_name[len(PEFT_PREFIX) :] if param_name.startswith(PEFT_PREFIX) else param_name
-    # PEFT nests one wrapper per targeted parameter of a module (both expert stacks): one
-    # `.base_layer` per level, adjacent, so a single replace would leave every second one.
-    while ".base_layer." in name:
-        name = name.replace(".base_layer.", ".")
-    return name
