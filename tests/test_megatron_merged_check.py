@@ -271,3 +271,17 @@ def test_megatron_backend_checks_merged_syncs_by_meaning():
 
     assert BACKENDS["megatron"].checks_meaning(merge=True) and BACKENDS["megatron"].checks_meaning(merge=False)
     assert callable(MegatronEngine.base_projections) and callable(MegatronEngine.base_stream)
+
+
+def test_the_gpu_tests_comparison_on_the_simulated_engine(simulated):
+    """tests/gpu's merged_check_against_export (not yet run on a GPU) with the simulated engine in
+    the real one's place: the merged export passes, the pure base export passes against the base
+    side alone, and the pure base sent as if merged fails."""
+    from tests.gpu.test_megatron_gpu import merged_check_against_export
+
+    sim, _ = simulated(Case("qwen3_moe_tiny", tp=2, ep=2, pp=2))
+    base = {n: t.to(sim.case.torch_dtype) for n, t in sim.ck.tensors.items()}
+    assert merged_check_against_export(sim, merged_hf(sim)) == 1.0
+    assert merged_check_against_export(sim, base, with_delta=False) == 1.0
+    with pytest.raises(SyncError, match=re.escape(MERGED)):
+        merged_check_against_export(sim, base)
