@@ -19,7 +19,10 @@ exports and log-probs. The pytest side then checks:
   adapter moves log-probs by more than 3x that difference (so the check can fail);
 - reference log-probs (PEFT disable_adapter in Megatron) are within TOL of HF base;
 - our own split of the raw Megatron LoRA shards == the bridge's adapter export, exactly;
-- merged export == PEFT merge_and_unload weights (within merge TOL), and != the base.
+- merged export == PEFT merge_and_unload weights (within merge TOL), and != the base;
+- the merged semantic check's expected side (engine.base_projections from Megatron's own sharded
+  fused base weights, plus engine.lora_projections) against that merged export
+  (`merged_check_against_export`; written without a GPU, not yet run).
 Cases: TP=1, TP=2 (fp32; bf16 with an entropy bonus), PP=2, full recompute; and Qwen3 at TP=2
 (Qwen3-0.6B's widths: q_norm/k_norm exported as base weights, head_dim 128). Summaries of the
 run on 2 x H200 are in tests/gpu_logs/.
@@ -209,6 +212,8 @@ def worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, variant: str
     result["semantic_check"] = semantic_check_against_export(engine, adapter)
 
     merged = dict(engine.bridge.export_merged(engine.model))
+    # The merged check's expected side (base from Megatron's own shards, TP and PP combined) against the merged export.
+    result["merged_semantic_check"] = merged_check_against_export(engine, merged)
     merged_subset = {
         k: v
         for k, v in merged.items()
@@ -297,6 +302,32 @@ def semantic_check_against_export(engine, adapter: dict) -> float:
         u, v = semantic.signs(b.shape[0], "out"), semantic.signs(a.shape[1], "in")
         observed[path] = (scaling * torch.einsum("ko,or,ri,ki->k", u, b, a.double().cpu(), v), 1.0)
     return semantic.compare(expected, observed, semantic.unit_roundoff(a.dtype, torch.float32))
+
+
+def merged_check_against_export(engine, exported: dict, with_delta: bool = True) -> float:
+    """lorarl.sync.semantic_merged's comparison of the engine's merged expected side (u^T W_base v
+    from engine.base_projections, Megatron's own sharded fused base weights, plus u^T (s B A) v from
+    engine.lora_projections) with u^T W v of the bridge's export under HF names: the merged export
+    (W + BA, what a merged sync sends vLLM), or with with_delta=False the pure base export against
+    the base side alone. 1.0, or a SyncError naming the module. Written without a GPU (none here):
+    it has not run yet."""
+    import dataclasses
+
+    from lorarl.sync import semantic
+    from lorarl.sync.semantic_merged import merged_expected
+
+    base, delta = engine.base_projections(), engine.lora_projections()
+    if not with_delta:
+        delta = {p: dataclasses.replace(d, values=torch.zeros_like(d.values), delta_norm=0.0) for p, d in delta.items()}
+    expected = merged_expected(base.modules, delta)
+    observed = {}
+    for path in expected:
+        w = exported[f"{path}.weight"].double().cpu()
+        u, v = semantic.signs(w.shape[0], "out"), semantic.signs(w.shape[1], "in")
+        observed[path] = (((u @ w) * v).sum(-1), 1.0)
+    served = next(iter(exported.values())).dtype
+    roundoff = max(semantic.unit_roundoff(served, torch.float32), base.roundoff)
+    return semantic.compare(expected, observed, roundoff, merged=True)
 
 
 def _hf_logp(model, ids: torch.Tensor) -> torch.Tensor:
@@ -403,6 +434,7 @@ def test_megatron_engine_against_hf_peft(hf_dirs, tmp_path, tp, pp, dtype, varia
         assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
     assert result["adapter_tensors"] == 14 * LAYERS
     assert result["semantic_check"] == 1.0
+    assert result["merged_semantic_check"] == 1.0
     assert diff_policy.max() <= TOL[dtype], result
     assert diff_reference.max() <= TOL[dtype], result
     assert effect.mean() > 3 * diff_policy.mean(), f"adapter too weak to tell apart from numeric noise: {result}"

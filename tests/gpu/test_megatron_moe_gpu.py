@@ -19,7 +19,11 @@ rank 8 on attention and every expert, and writes the exports. The pytest side ch
 - HF (transformers' fused experts) with the exported adapter merged in by hand, expert by
   expert, gives the Megatron policy's log-probs within TOL, while the adapter moves them by
   more than 3x that (so the check can fail); the reference pass is within TOL of HF base;
-- EP=1: the merged export (W + BA, model.lora.merge) equals that hand merge.
+- EP=1: the merged export (W + BA, model.lora.merge) equals that hand merge;
+- the merged semantic check's expected side (engine.base_projections from Megatron's own expert and
+  attention shards, plus engine.lora_projections) against the merged export at EP=1 (merged sync
+  is refused at EP > 1), and its base side against the pure base export at every EP
+  (tests.gpu.test_megatron_gpu.merged_check_against_export; written without a GPU, not yet run).
 """
 
 from __future__ import annotations
@@ -151,16 +155,21 @@ def worker(hf_dir: str, out_dir: str, ep: int, dtype: str) -> None:
     result["adapter_tensors"] = len(adapter)
     result["adapter_bytes"] = sum(v.numel() * v.element_size() for v in adapter.values())
     # The semantic check's Megatron expected side, experts over the expert-parallel ranks, against the export.
-    from tests.gpu.test_megatron_gpu import semantic_check_against_export
+    from tests.gpu.test_megatron_gpu import merged_check_against_export, semantic_check_against_export
 
     result["semantic_check"] = semantic_check_against_export(engine, adapter)
+    # The merged check's base side, experts over the expert-parallel ranks, against the pure base export.
+    base_export = dict(engine.bridge.export_base(engine.model))
+    result["base_side_check"] = merged_check_against_export(engine, base_export, with_delta=False)
     if ep == 1:
         ours = _own_split(engine, json.loads((Path(hf_dir) / "config.json").read_text()))
         result["own_split_names_equal"] = set(ours) == set(adapter)
         result["own_split_max_diff"] = max(
             float((ours[k].float().cpu() - adapter[k].float().cpu()).abs().max()) for k in adapter
         )
-        merged = {k: v for k, v in engine.bridge.export_merged(engine.model) if "layers.0." in k and "proj" in k}
+        merged_all = dict(engine.bridge.export_merged(engine.model))
+        result["merged_semantic_check"] = merged_check_against_export(engine, merged_all)
+        merged = {k: v for k, v in merged_all.items() if "layers.0." in k and "proj" in k}
     out.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(out / f"adapter_rank{rank}.safetensors")
@@ -322,10 +331,12 @@ def test_megatron_moe_expert_lora_against_hf(hf_dir, tmp_path, ep, dtype):
     assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in result["metrics"])  # finite
     assert result["experts_exported"] == LAYERS * EXPERTS and result["ep_ranks_identical"]
     assert result["semantic_check"] == 1.0
+    assert result["base_side_check"] == 1.0
     assert result["adapter_tensors"] == LAYERS * (4 * 2 + EXPERTS * 3 * 2)
     if ep == 1:
         assert result["own_split_names_equal"] and result["own_split_max_diff"] == 0.0
         assert result["merged_vs_hand_merge_rel_max"] <= MERGE_TOL[dtype], result
+        assert result["merged_semantic_check"] == 1.0
     assert diff_policy.max() <= TOL[dtype]["max"] and diff_policy.mean() <= TOL[dtype]["mean"], result
     assert diff_reference.max() <= TOL[dtype]["max"] and diff_reference.mean() <= TOL[dtype]["mean"], result
     assert effect.mean() > 3 * diff_policy.mean(), f"adapter too weak to tell apart from numeric noise: {result}"

@@ -57,8 +57,9 @@ BACKENDS: dict[str, Backend] = {
         # From the bridge's own fused adapters, TP/EP/PP shares combined
         # (lorarl.engines.megatron.projections); checked on real tensors on CPU, run on GPU only.
         semantic_sync_check=True,
-        # Its base side (u^T W_base v from Megatron's sharded fused base weights) is not built.
-        merged_sync_check=False,
+        # Its base side, u^T W_base v from Megatron's own sharded fused base weights
+        # (lorarl.engines.megatron.base_projections); checked on real tensors on CPU, not yet run on GPU.
+        merged_sync_check=True,
     ),
 }
 

@@ -7,7 +7,8 @@ merged weight; the switch reads it from the engine's unmerged base stream and ho
 in memory: a test switch, never for training.
 
     gate_up_swap    gate_proj and up_proj exchanged (dense weights, every expert's halves)
-    expert_swap     experts 0 and 1 exchanged in the first MoE layer's stacks
+    expert_swap     experts 0 and 1 exchanged in the first MoE layer (its stacks, or its per-expert
+                    weights as the Megatron export names them)
     scale_x2/half   W_base + 2 delta / W_base + delta / 2
     transpose       W_base + delta^T where the weight is square
     missing_module  the first layer's v_proj (or first LoRA weight) sent without its delta
@@ -27,6 +28,7 @@ from torch import Tensor
 from lorarl.errors import ConfigError
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT_LAYER = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.\d+\.")
 Tensors = dict[str, Tensor]
 
 
@@ -111,6 +113,13 @@ def _gate_up_swap(out: Tensors) -> None:
 
 def _expert_swap(out: Tensors) -> None:
     stacks = sorted((n for n in out if ".experts." in n and out[n].dim() == 3), key=lambda n: int(_LAYER.search(n)[1]))
+    per_expert = sorted(int(m[1]) for n in out if (m := _EXPERT_LAYER.search(n)))
+    if not stacks and per_expert:  # `model.layers.L.mlp.experts.E.<proj>.weight`, one tensor per expert
+        stem = f".layers.{per_expert[0]}.mlp.experts."
+        for n in [n for n in out if f"{stem}0." in n]:
+            other = n.replace(f"{stem}0.", f"{stem}1.")
+            out[n], out[other] = out[other], out[n]
+        return
     if not stacks:
         raise ConfigError("trainer.sync_fault=expert_swap needs expert LoRA (model.lora.target_parameters)")
     layer = _LAYER.search(stacks[0])[0]

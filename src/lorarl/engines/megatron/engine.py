@@ -31,6 +31,7 @@ from lorarl.contract.engine import (
     read_metrics,
 )
 from lorarl.contract.specs import EngineSpec
+from lorarl.engines.megatron.base_projections import megatron_base_projections, model_bases
 from lorarl.engines.megatron.bridge import MegatronBridgeAdapter
 from lorarl.engines.megatron.config_map import (
     apply_provider_plan,
@@ -40,7 +41,9 @@ from lorarl.engines.megatron.config_map import (
     require_cuda,
 )
 from lorarl.engines.megatron.experts import ExpertParallel, gather_expert_adapter, num_experts_of, torch_all_gather
+from lorarl.engines.megatron.projections import megatron_lora_projections, model_lora, shape_from_config
 from lorarl.errors import ConfigError, TrainingError
+from lorarl.sync.semantic_merged import BaseProjections
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,7 @@ class MegatronEngine:
 
     # Megatron's local attention is causal-only: rows are right-padded (check_right_padded).
     left_pad_prompts = False
-    # One adapter: the adapter-taking methods below take only 0 (a sweep's group trains several
-    # adapters on the FSDP engine; the shared-base launcher runs Megatron jobs one after another).
-    adapter_names = ("default",)
+    adapter_names = ("default",)  # one: the shared-base launcher runs Megatron jobs one after another
 
     def __init__(self, spec: EngineSpec, device: torch.device | None = None) -> None:
         """`spec` for its model, actor and backend groups (only those are kept) and its seed
@@ -422,32 +423,41 @@ class MegatronEngine:
             tensors = {k: v if dtype is None else v.to(dtype) for k, v in self._adapter_tensors().items()}
             return WeightPayload.adapter(tensors, self.adapter_config()), time.perf_counter() - t0
         if kind is PayloadKind.BASE:
-            stream = self.bridge.export_merged(self.model) if self.lora.merge else self.bridge.export_base(self.model)
-            return WeightPayload.base(stream), time.perf_counter() - t0
+            return WeightPayload.base(self.base_stream(self.lora.merge)), time.perf_counter() - t0
         raise ValueError(f"unknown payload kind {kind!r}")
+
+    def base_stream(self, merge: bool):
+        """The bridge's base export, plain HF names: pure, or merged W + BA (collective)."""
+        return self.bridge.export_merged(self.model) if merge else self.bridge.export_base(self.model)
 
     def lora_projections(self, adapter: int = 0) -> dict:
         """The semantic check's expected side (lorarl.engines.megatron.projections): u^T dW v per HF
-        module from this model's own adapters. Collective over the TP and expert groups."""
-        from lorarl.engines.megatron.projections import megatron_lora_projections, model_lora, shape_from_config
+        module from this model's own adapters. Collective over the TP, expert and pipeline groups."""
+        return self._every_stage(megatron_lora_projections(*model_lora(self.model), *self._check_layout()))
 
-        params, scaling = model_lora(self.model)
+    def base_projections(self) -> BaseProjections:
+        """The merged check's base side (lorarl.engines.megatron.base_projections): u^T W_base v per
+        HF module from this model's own sharded fused base weights, not the bridge's export. Collective."""
+        mine = megatron_base_projections(*model_bases(self.model), *self._check_layout())
+        return BaseProjections(self._every_stage(mine.modules), mine.roundoff)
+
+    def _check_layout(self) -> tuple:
+        """(this rank's MegatronShape, the sum over the TP group for dense layers, over the expert
+        tensor-and-model-parallel group for experts), as both sides of the semantic check take them."""
         shape = shape_from_config(self.hf_config, self.lora.rank, self.ps)
-        mine = megatron_lora_projections(
-            params, scaling, shape, _all_reduce(self.ps.get_tensor_model_parallel_group()),
-            _all_reduce(self.ps.get_expert_tensor_and_model_parallel_group()),
-        )  # fmt: skip
+        tp, experts = self.ps.get_tensor_model_parallel_group(), self.ps.get_expert_tensor_and_model_parallel_group()
+        return shape, _all_reduce(tp), _all_reduce(experts)
+
+    def _every_stage(self, mine: dict) -> dict:
+        """Per-module results of this pipeline stage's layers -> those of every stage, on every stage."""
         if self.pp == 1:
             return mine
-        import torch.distributed as dist  # each pipeline stage holds its own layers: all of them on every stage
-
         stages: list = [None] * self.pp
-        dist.all_gather_object(stages, mine, group=self.ps.get_pipeline_model_parallel_group())
+        torch.distributed.all_gather_object(stages, mine, group=self.ps.get_pipeline_model_parallel_group())
         return {path: p for stage in stages for path, p in stage.items()}
 
     def lora_parameters(self, adapter: int = 0) -> list[torch.Tensor]:
-        """The trainable LoRA factors of this rank, for the first sync's self-test."""
-        return [p for m in self.model for p in m.parameters() if p.requires_grad]
+        return [p for m in self.model for p in m.parameters() if p.requires_grad]  # this rank's, for the self-test
 
     def lora_state(self, adapter: int = 0) -> dict[str, torch.Tensor]:
         """Full LoRA tensors under PEFT names, on CPU (collective). Never empty: an empty adapter

@@ -42,9 +42,10 @@ _ADAPTER = re.compile(
     r"(?:\.experts\.local_experts\.(?P<expert>\d+))?\.(?P<linear>linear_qkv|linear_proj|linear_fc1|linear_fc2)"
     r"\.adapter\.(?:(?P<sub>adapter_[a-z]+)\.)?(?P<side>linear_in|linear_out)\.weight$"
 )
-_SUB = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v": "v_proj", "adapter_gate": "gate_proj"}
-_SUB["adapter_up"] = "up_proj"
-_ROW_PARALLEL = ("linear_proj", "linear_fc2")
+# CanonicalLoRA's per-projection sub-adapters -> the HF projection each covers.
+SUB_PROJECTIONS = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v": "v_proj", "adapter_gate": "gate_proj"}
+SUB_PROJECTIONS["adapter_up"] = "up_proj"
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
 @dataclass(frozen=True)
@@ -76,26 +77,29 @@ class _Adapter:
     scaling: float
 
 
-def _hf_path(layer: int, expert: int | None, projection: str) -> str:
+def hf_path(layer: int, expert: int | None, projection: str) -> str:
     parent = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
     if expert is not None:
         return f"model.layers.{layer}.mlp.experts.{expert}.{projection}"
     return f"model.layers.{layer}.{parent}.{projection}"
 
 
-def _row_map(ad: _Adapter, shape: MegatronShape, tp: tuple[int, int]) -> list[tuple[str, Tensor, int, int]]:
-    """[(HF projection, local B rows of it, their HF rows, the projection's full out)]: rows as
-    index tensors (local) paired with HF row indices."""
+def row_map(
+    linear: str, sub: str | None, expert: bool, n_local: int, shape: MegatronShape, tp: tuple[int, int]
+) -> list[tuple[str, Tensor, int, int]]:
+    """Where the `n_local` output rows tensor-parallel rank tp[0] of tp[1] holds of a column-split
+    `linear` (its LoRA B, or its base weight) belong: [(HF projection, local rows of it, their HF
+    rows, the projection's full out)], rows as index tensors. `sub`: a CanonicalLoRA sub-adapter
+    (its own projection's rows); `expert`: the linear is a routed expert's."""
     t, size = tp
-    n_local = ad.b.shape[0]
     local = torch.arange(n_local)
     hd, heads, groups = shape.head_dim, shape.heads, shape.query_groups
-    ffn = shape.expert_ffn if ad.expert is not None else shape.ffn
-    if ad.sub is not None:
-        proj = _SUB[ad.sub]
+    ffn = shape.expert_ffn if expert else shape.ffn
+    if sub is not None:
+        proj = SUB_PROJECTIONS[sub]
         full = {"q_proj": heads * hd, "k_proj": groups * hd, "v_proj": groups * hd}.get(proj, ffn)
         return [(proj, local, t * n_local + local, full)]
-    if ad.linear == "linear_qkv":
+    if linear == "linear_qkv":
         per_group = heads // groups
         block = (per_group + 2) * hd
         group = t * (groups // size) + local // block
@@ -107,32 +111,33 @@ def _row_map(ad: _Adapter, shape: MegatronShape, tp: tuple[int, int]) -> list[tu
             ("k_proj", local[k], group[k] * hd + o[k] - per_group * hd, groups * hd),
             ("v_proj", local[v], group[v] * hd + o[v] - (per_group + 1) * hd, groups * hd),
         ]
-    if ad.linear == "linear_fc1":
+    if linear == "linear_fc1":
         half = n_local // 2
         return [
             ("gate_proj", local[:half], t * half + local[:half], ffn),
             ("up_proj", local[half:], t * half + local[half:] - half, ffn),
         ]
-    proj = "o_proj" if ad.linear == "linear_proj" else "down_proj"
+    proj = "o_proj" if linear == "linear_proj" else "down_proj"
     return [(proj, local, t * n_local + local, shape.hidden)]
 
 
-def _in_features(ad: _Adapter, shape: MegatronShape) -> int:
-    if ad.linear == "linear_proj":
+def in_features(linear: str, expert: bool, shape: MegatronShape) -> int:
+    """The full input width of a Megatron linear (of every HF projection fused in it)."""
+    if linear == "linear_proj":
         return shape.heads * shape.head_dim
-    if ad.linear == "linear_fc2":
-        return shape.expert_ffn if ad.expert is not None else shape.ffn
+    if linear == "linear_fc2":
+        return shape.expert_ffn if expert else shape.ffn
     return shape.hidden
 
 
 def _shares(ad: _Adapter, shape: MegatronShape, count: int) -> tuple[list[tuple[str, int, int]], Tensor]:
     """([(HF path, out, in)] of the adapter's projections, this rank's share of [y; a_sq; z_p; b_sq_p ...])."""
     tp = (0, 1) if ad.expert is not None else (shape.tp_rank, shape.tp_size)
-    r, n_in = shape.rank, _in_features(ad, shape)
+    r, n_in = shape.rank, in_features(ad.linear, ad.expert is not None, shape)
     a, b = ad.a.detach().to(torch.float64), ad.b.detach().to(torch.float64)
     y = torch.zeros(count, r, dtype=torch.float64)
     a_sq = torch.zeros(r, dtype=torch.float64)
-    if ad.linear in _ROW_PARALLEL and ad.sub is None:
+    if ad.linear in ROW_PARALLEL and ad.sub is None:
         if a.shape[0] != r or a.shape[1] * tp[1] != n_in:
             raise SyncError(f"layer {ad.layer} {ad.linear}: LoRA A is {tuple(a.shape)}, expected ({r}, {n_in}/{tp[1]})")
         c0 = tp[0] * a.shape[1]
@@ -146,10 +151,10 @@ def _shares(ad: _Adapter, shape: MegatronShape, count: int) -> tuple[list[tuple[
         a_sq[r0 : r0 + a.shape[0]] = (a * a).sum(1).cpu()
     paths, parts = [], [y.reshape(-1), a_sq]
     b = b.cpu()
-    for proj, rows, hf_rows, n_out in _row_map(ad, shape, tp):
+    for proj, rows, hf_rows, n_out in row_map(ad.linear, ad.sub, ad.expert is not None, b.shape[0], shape, tp):
         u = signs(n_out, "out", count)[:, hf_rows]
         parts += [(u @ b[rows]).reshape(-1), (b[rows] * b[rows]).sum(0)]
-        paths.append((_hf_path(ad.layer, ad.expert, proj), n_out, n_in))
+        paths.append((hf_path(ad.layer, ad.expert, proj), n_out, n_in))
     return paths, torch.cat(parts)
 
 
@@ -292,24 +297,30 @@ def shape_from_config(hf_config, rank: int, ps) -> MegatronShape:
 _LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)(\..*)?$")
 
 
+def global_layer_names(chunk) -> Callable[[str], str]:
+    """name -> the same name with its layer renumbered by that TransformerLayer's own global
+    `layer_number` (1-based), so a pipeline stage names its layers as the HF checkpoint does."""
+    number: dict[str, int] = {}
+    for name, module in chunk.named_modules():
+        m = _LAYER.match(name)
+        if m is not None and m[3] is None and hasattr(module, "layer_number"):
+            number[m[2]] = int(module.layer_number) - 1
+
+    def global_name(name: str) -> str:
+        m = _LAYER.match(name)
+        return name if m is None else f"{m[1]}{number.get(m[2], int(m[2]))}{m[3] or ''}"
+
+    return global_name
+
+
 def model_lora(model_chunks: list) -> tuple[list[tuple[str, Tensor]], dict[str, float]]:
     """(LoRA parameters by name, scaling alpha / dim per adapter module) of Megatron model chunks,
     read from the adapter modules themselves (megatron.bridge.peft's ParallelLinearAdapter scales
-    its output by alpha / dim). Layers are renumbered by each TransformerLayer's own global
-    `layer_number` (1-based), so pipeline stages name their layers as the HF checkpoint does."""
+    its output by alpha / dim), layers named globally (`global_layer_names`)."""
     params: list[tuple[str, Tensor]] = []
     scaling: dict[str, float] = {}
     for chunk in model_chunks:
-        number: dict[str, int] = {}
-        for name, module in chunk.named_modules():
-            m = _LAYER.match(name)
-            if m is not None and m[3] is None and hasattr(module, "layer_number"):
-                number[m[2]] = int(module.layer_number) - 1
-
-        def global_name(name: str, number: dict[str, int] = number) -> str:
-            m = _LAYER.match(name)
-            return name if m is None else f"{m[1]}{number.get(m[2], int(m[2]))}{m[3] or ''}"
-
+        global_name = global_layer_names(chunk)
         for name, module in chunk.named_modules():
             if name.endswith(".adapter") or re.search(r"\.adapter\.adapter_[a-z]+$", name):
                 if hasattr(module, "alpha") and hasattr(module, "dim"):
