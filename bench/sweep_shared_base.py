@@ -119,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds an arm may run")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--keep", default=None, help="keep the sweep folders here (default: a temporary folder)")
     args = ap.parse_args(argv)
     cache = common.cache_dir(args.cache)
     shaped = SHAPES[args.shape][1]
     model = None if shaped is None else common.shaped_model(cache, shaped, device="cuda")
     runs, ratios = [], []
-    with tempfile.TemporaryDirectory(prefix="lorarl_sweep_bench_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lorarl_sweep_bench_") as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for repeat in range(1, args.repeats + 1):
             pair = [run_arm(args, shared, repeat, model, cache, Path(tmp)) for shared in (False, True)]
             runs += pair
