@@ -52,8 +52,20 @@ def need_gpu() -> None:
         pytest.skip("needs a CUDA GPU")
 
 
+def need_liger() -> None:
+    """The 7B preset runs as users run it: Liger's kernels on (backend.liger_kernel null is on for
+    CUDA), so liger-kernel must be installed; said at once, not as the run's exit 2 minutes in."""
+    import importlib.util
+
+    assert importlib.util.find_spec("liger_kernel") is not None, (
+        "liger-kernel is not installed: the 7B preset's default backend.liger_kernel needs it "
+        "(pip install liger-kernel, or on the GPU machine install-extra.sh, which carries 0.8.5)"
+    )
+
+
 def test_7b_adapter_run_keeps_the_default_checks_for_20_steps(tmp_path):
     need_gpu()
+    need_liger()
     from bench.common import shaped_model
 
     model = shaped_model(cache_dir(), "qwen2.5-7b", device="cuda")
