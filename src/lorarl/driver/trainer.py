@@ -101,8 +101,14 @@ class GRPOTrainer:
         return [j for j in self.jobs if j.active]
 
     def say_all(self, line: str) -> None:
+        """A line about every job: on the console once, in each job's log."""
+        if len(self.jobs) == 1:
+            return self.jobs[0].say(line)
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"[all jobs] {line}")
         for job in self.jobs:
-            job.say(line)
+            job.note(line)
 
     # ---- loop ----------------------------------------------------------------------------
 
@@ -194,7 +200,8 @@ class GRPOTrainer:
             job.log({**pending.get(job.index, {}), **row}, step=self.step)
             job.last_reward = row[keys.REWARD_MEAN.key]
         bar.update(1)
-        bar.set_postfix(reward=f"{self.jobs[0].last_reward:.3f}", sync=sync.kind)
+        shown = next((job for job in self.jobs if job in rows), None)  # a job that trained this step
+        bar.set_postfix(reward=f"{shown.last_reward:.3f}" if shown else "-", sync=sync.kind)
 
     def finish(self) -> None:
         """Each job that ran to the end: its final adapter, and its plots."""
