@@ -203,8 +203,8 @@ def worker_spec(run: RunConfig, device: str, hf_config: Any = None, lora_ranks: 
 def group_worker_spec(runs: list[RunConfig], labels: list[str], device: str) -> WorkerSpec:
     """What every worker of a sweep group is given (lorarl.driver.groups): the first job's spec,
     with one adapter per job in the engine (its own LoRA shape, actor settings and test fault) and
-    one LoRA slot per job in vLLM (the largest rank); the update's memory counts every adapter's
-    LoRA state. The jobs agree on everything else."""
+    one LoRA slot per job in vLLM (the largest rank) admitting every job's sequences of a step at
+    once; the update's memory counts every adapter's LoRA state. The jobs agree on everything else."""
     run = runs[0]
     ranks = [r.model.lora.rank for r in runs]
     spec = worker_spec(run, device, lora_ranks=ranks)
@@ -212,10 +212,17 @@ def group_worker_spec(runs: list[RunConfig], labels: list[str], device: str) -> 
         AdapterSpec(adapter_name(i), r.model.lora, r.actor, label, r.trainer.sync_fault)
         for i, (r, label) in enumerate(zip(runs, labels, strict=True))
     )
+    engines = rollout_engines(run)
     engine_args = tuple(
-        rollout_args(run, device, engine, lora_rank=max(ranks), max_loras=len(runs))
-        for engine in range(rollout_engines(run))
+        rollout_args(run, device, engine, lora_rank=max(ranks), max_loras=len(runs)) for engine in range(engines)
     )
+    if "max_num_seqs" not in run.rollout.engine_kwargs:
+        # One generate call holds every job's sequences of a step: admitted at once, they decode in
+        # one wave where vLLM's default (256 on CPU, 1024 on an H100) would cut them into several.
+        wave = -(-run.data.train_batch_size // engines) * run.rollout.n * len(runs)
+        engine_args = tuple(
+            dataclasses.replace(a, engine_kwargs={**a.engine_kwargs, "max_num_seqs": wave}) for a in engine_args
+        )
     return dataclasses.replace(
         spec,
         engine=dataclasses.replace(spec.engine, adapters=adapters),
