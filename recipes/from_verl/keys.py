@@ -22,7 +22,7 @@ ON_POLICY = (
 )
 NO_CRITIC = "GRPO trains no critic (algorithm.adv_estimator=gae is refused)"
 NO_AGENT = "no agent loop or server: each worker hands token ids to its in-process vLLM engine"
-CHECKPOINT = "a checkpoint always holds what a resume needs (lorarl.files.checkpoint)"
+CHECKPOINT = "a checkpoint always holds what a resume needs (lorarl.checkpoint)"
 ENGINE_ARG = "a vLLM engine argument, passed as given"
 PROFILER = "verl's profiler; lorarl logs step timings (wrap the run in nsys or torch.profiler for traces)"
 OFFLOAD = "memory placement only: the frozen base stays on the GPU and the optimizer state is adapter-sized"
