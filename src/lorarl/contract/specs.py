@@ -41,11 +41,11 @@ class EngineSpec:
 class LLMArgs:
     """One vLLM engine's arguments, assembled once on the driver (lorarl.rollout.vllm.engine_args.build).
 
-    Every field but lora_rank and engine_kwargs is the `vllm.LLM` argument of that name as lorarl sets it from
-    its keys (lorarl.config.validate.SET_BY_LORARL names the key behind each; the driver maps
-    them in lorarl.driver.prepare.rollout_args); `lora_rank` is the adapter's own rank and
-    `engine_kwargs` the user's other arguments (rollout.engine_kwargs). `kwargs` is what
-    `vllm.LLM` takes. The defaults are what a test or a benchmark gets when it names no value."""
+    Every field but lora_rank and engine_kwargs is the `vllm.LLM` argument of that name, as lorarl
+    sets it from one of its keys (lorarl.driver.prepare.rollout_args sets each;
+    lorarl.config.validate.SET_BY_LORARL names the key); `lora_rank` is the adapter's own rank and
+    `engine_kwargs` the user's other arguments (rollout.engine_kwargs). `kwargs` is what `vllm.LLM`
+    takes. The defaults are what a test or a benchmark gets when it names no value."""
 
     model: str  # model.path
     dtype: str  # resolved: the checkpoint's where rollout.dtype=auto
