@@ -12,9 +12,10 @@ group's three calls go straight to the worker here (Ray would run them in anothe
 where this profile cannot see): lorarl/workers/group.py's part of the step (WorkerGroup.generate,
 update and sync, _first_of, _get) is named at the end instead of traced.
 
-Printed: the trace (docs/design.md's step trace is this output), then per file the lines of the
-functions the step runs there (what a reader opens the file for), the files entered for fewer
-than SMALL lines, and the calls from train_step down to the policy loss.
+Printed: each file in the order the step first enters it, with the lines of the functions the
+step runs there (what a reader opens the file for) and those functions (docs/design.md's step
+trace is this output); the files entered for fewer than SMALL lines; the calls from train_step
+down to the policy loss.
 """
 
 from __future__ import annotations
@@ -98,22 +99,14 @@ def main(overrides: list[str]) -> None:
     trainer.step = 1
     calls, chain = trace(trainer.train_step)
     worker.shutdown()
-    lines: dict[str, int] = {}
-    for (file, _), n in calls.items():
-        lines[file] = lines.get(file, 0) + n
-    rows: list[tuple[str, list[str]]] = []
-    for file, name in calls:  # a file the step comes back to gets a row again, in call order
-        if rows and rows[-1][0] == file:
-            rows[-1][1].append(name)
-        else:
-            rows.append((file, [name]))
-    print("the step's trace (docs/design.md):")
-    for file, names in rows:
-        print(f"{file:34s}{', '.join(names)}")
-    print(f"{len(lines)} files of src/lorarl traced, plus workers/group.py (the Ray calls)")
-    print("\nlines of the functions the step runs, per file:")
-    for file, n in lines.items():
-        print(f"{file:34s}{n:5d}")
+    files: dict[str, dict[str, int]] = {}  # in the order the step first enters them
+    for (file, name), n in calls.items():
+        files.setdefault(file, {})[name] = n
+    lines = {file: sum(names.values()) for file, names in files.items()}
+    print("file, the lines of the functions the step runs there, those functions (docs/design.md):")
+    for file, names in files.items():
+        print(f"{file:34s}{lines[file]:4d}  {', '.join(names)}")
+    print(f"{len(files)} files of src/lorarl traced, plus workers/group.py (the Ray calls)")
     small = [file for file, n in lines.items() if n < SMALL]
     print(f"\nentered for fewer than {SMALL} lines: {len(small)} ({', '.join(small)})")
     print(f"from train_step to the policy loss: {' -> '.join(chain)} ({len(chain) - 2} calls between)")

@@ -163,7 +163,7 @@ def test_param_count_matches_the_saved_model(tiny_model_path):
     assert param_count(config) == model_params(tiny_model_path)
 
 
-def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
+def test_moe_param_count_is_what_one_token_runs_through(run_cache):
     """A MoE's MFU counts the active parameters: every tensor outside the experts, and top-k of E
     experts' share of the expert stacks, read from the saved model; at Qwen3-30B-A3B's dims, the
     3.3B active its model card states."""
@@ -173,7 +173,8 @@ def test_moe_param_count_is_what_one_token_runs_through(tmp_path):
 
     from bench.common import SHAPES, shaped_model
 
-    model = shaped_model(tmp_path, "qwen3-moe-tiny", dtype="float32")
+    # Under the session's run cache: the shape takes the tokenizer of the tiny model already built there.
+    model = shaped_model(run_cache, "qwen3-moe-tiny", dtype="float32")
     config = json.loads((model / "config.json").read_text())
     sizes = {}
     for shard in model.glob("*.safetensors"):

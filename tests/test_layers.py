@@ -183,6 +183,7 @@ def test_imports_in_functions_and_under_type_checking_are_read(tmp_path):
         ),
         # siblings of one row importing each other
         ({"lorarl.rollout": {"lorarl.engines"}}, ["lorarl.rollout -> lorarl.engines"], []),
+        # downward only: nothing to find
         ({"lorarl.driver": {"lorarl.workers"}, "lorarl.workers": {"lorarl.sync"}}, [], []),
     ],
 )

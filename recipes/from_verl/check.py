@@ -28,7 +28,7 @@ def local_hf_config(path: str, trust_remote_code: bool):
 
 def split_costs(run, hf, splits: dict[str, int]) -> list[str]:
     """What holding whole sequences costs where verl split them: lorarl's estimate of the
-    update's peak on one device (lorarl.rollout.memory), of which verl's split holds about 1/N of the
+    update's peak on one device (lorarl.memory), of which verl's split holds about 1/N of the
     activations."""
     from lorarl.driver.prepare import run_update_bytes
     from lorarl.rollout.memory import GIB, ModelDims

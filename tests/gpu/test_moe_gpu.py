@@ -54,7 +54,7 @@ def test_expert_adapter_sync_rank_1_and_the_final_adapter_loads_in_peft_and_vllm
     if gpus() < 1:
         pytest.skip("needs a GPU")
     out, _ = run_recipe(tmp_path, "moe_1gpu_rank1", ["model.lora.rank=1", "rollout.enforce_eager=false"])
-    # One GPU: after the first load, adapters are written into vLLM's slots in place (rollout/vllm_lora_write.py).
+    # One GPU: after the first load, adapters are written into vLLM's slots in place (rollout/vllm/lora_write.py).
     assert "load through vLLM's loader at every sync" not in (out / "run.log").read_text()
     final = out / "final_adapter"
     assert (final / "adapter_model.safetensors").is_file() and (final / "vllm" / "adapter_model.safetensors").is_file()

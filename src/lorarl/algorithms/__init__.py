@@ -4,5 +4,6 @@ advantages          group-normalised GRPO advantages and DAPO's overlong reward 
 losses              token log-probs and entropy, KL estimators, loss aggregation, PPO-clip and GSPO losses
 rollout_correction  importance weights and rejection on the sampler/trainer mismatch
 ppo                 the one PPO update both engines run: mini-batches, micro-batches, the loss, metrics
-batch               the padded training batch, its micro-batch plan and its padding measures
+
+The batch it computes on and the Engine it drives are lorarl.contract.engine's.
 """

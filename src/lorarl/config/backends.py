@@ -46,7 +46,7 @@ class FSDPBackendConfig:
     # engine's weights (one copy per device, no base load, shard, all-gather or sync; only the LoRA
     # parameters are FSDP's). auto shares wherever it can and says why not once at start-up
     # (merged sync, rollout TP > 1, dummy load, param offload, a dtype that differs, MoE on CPU);
-    # true there is an error (lorarl.engines.shared_base).
+    # true there is an error (lorarl.driver.base_plan).
     share_base: Any = MISSING
 
     def model_parallel_size(self) -> int:

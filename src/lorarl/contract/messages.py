@@ -229,7 +229,7 @@ class SyncReport:
     """One sync of one worker (or, merged, of all of them): what was sent (base, then adapter),
     the exact checks, the log-prob probe when it ran, the wake. None: not run this sync."""
 
-    kind: str  # adapter, base, merged, or base+adapter (lorarl.sync.PayloadKind values)
+    kind: str  # adapter, base, merged, or base+adapter (lorarl.contract.payload.PayloadKind values)
     num_tensors: int
     bytes: int
     gather_seconds: float
@@ -246,7 +246,7 @@ class SyncReport:
     # The semantic check (lorarl.sync.semantic): the delta vLLM applies per module is the trainer's.
     adapter_meaning: float | None = None
     meaning_check_seconds: float | None = None
-    # The log-prob probe (lorarl.probe.ProbeReading), when it was due.
+    # The log-prob probe (lorarl.sync.probe.ProbeReading), when it was due.
     logprob_diff_max: float | None = None
     logprob_diff_mean: float | None = None
     logprob_ref_diff_mean: float | None = None

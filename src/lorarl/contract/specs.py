@@ -12,7 +12,7 @@ sleep (lorarl.rollout.vllm.engine), CUDA for Megatron, the device memory the sle
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lorarl.config.algorithm import RolloutCorrectionConfig
@@ -57,29 +57,30 @@ class EngineSpec:
 class LLMArgs:
     """One vLLM engine's arguments, assembled once on the driver (lorarl.rollout.vllm.engine_args.build).
 
-    Every field but the last two is the `vllm.LLM` argument of that name as lorarl sets it from
-    its keys (lorarl.config.validate.SET_BY_LORARL names the key behind each); `lora_rank` is the
-    adapter's own rank and `engine_kwargs` the user's other arguments (rollout.engine_kwargs).
-    `kwargs` is what `vllm.LLM` takes."""
+    Every field but lora_rank and engine_kwargs is the `vllm.LLM` argument of that name, as lorarl
+    sets it from one of its keys (lorarl.driver.prepare.rollout_args sets each;
+    lorarl.config.validate.SET_BY_LORARL names the key); `lora_rank` is the adapter's own rank and
+    `engine_kwargs` the user's other arguments (rollout.engine_kwargs). `kwargs` is what `vllm.LLM`
+    takes. The defaults are what a test or a benchmark gets when it names no value."""
 
     model: str  # model.path
     dtype: str  # resolved: the checkpoint's where rollout.dtype=auto
     seed: int
     max_model_len: int
-    tensor_parallel_size: int
-    enable_expert_parallel: bool
-    load_format: str
-    enforce_eager: bool
-    enable_sleep_mode: bool
-    gpu_memory_utilization: float
-    kv_cache_memory_bytes: int | None  # on CPU, in place of gpu_memory_utilization (None: not passed)
-    trust_remote_code: bool
     max_lora_rank: int | None  # the smallest rank vLLM serves that holds lora_rank (None: no LoRA)
     # LoRA slots: one per adapter the run trains (a sweep group's jobs), so vLLM never evicts one
     # (None: no LoRA).
     max_loras: int | None
     lora_rank: int | None
-    engine_kwargs: dict[str, Any]
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    load_format: str = "auto"
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # on CPU, in place of gpu_memory_utilization (None: not passed)
+    trust_remote_code: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kwargs(self) -> dict[str, Any]:

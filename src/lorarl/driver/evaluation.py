@@ -56,13 +56,11 @@ def accuracy(scores: Sequence[Sequence[float]], source: str, scorer: str) -> dic
     if any(len(row) != n for row in scores):
         raise ValueError(f"every prompt needs the same number of samples ({n}) for pass@k")
     right = [sum(1 for s in row if s >= 1.0) for row in scores]
-    out = {
-        keys.VAL_SOURCE_SCORER_MEAN_N.format(source=source, scorer=scorer, n=n): sum(c / n for c in right) / len(right)
-    }
+    mean_n = keys.VAL_SOURCE_SCORER_MEAN_N.format(source=source, scorer=scorer, n=n)
+    out = {mean_n: sum(c / n for c in right) / len(right)}
     for k in k_values(n):
-        out[keys.VAL_SOURCE_SCORER_PASS_K.format(source=source, scorer=scorer, k=k)] = sum(
-            pass_at_k(n, c, k) for c in right
-        ) / len(right)
+        pass_k = keys.VAL_SOURCE_SCORER_PASS_K.format(source=source, scorer=scorer, k=k)
+        out[pass_k] = sum(pass_at_k(n, c, k) for c in right) / len(right)
     return out
 
 

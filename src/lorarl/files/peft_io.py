@@ -42,7 +42,7 @@ def load_peft_adapter(directory: str | os.PathLike) -> tuple[dict[str, torch.Ten
 
 def peft_lora_config(lora):
     """PEFT's LoraConfig for model.lora (lorarl.config's LoRA group): what the trainer trains, and
-    what the start-up plan counts (lorarl.engines.shared_base.layout_bytes)."""
+    what the start-up plan counts (lorarl.driver.base_plan.layout_bytes)."""
     from peft import LoraConfig
 
     targets = lora.target_modules

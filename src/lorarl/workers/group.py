@@ -4,6 +4,11 @@ Ray places the actors (one GPU each on CUDA; on CPU, `n_gpus_per_node` processes
 the cores) and carries calls to them; torch.distributed (NCCL or gloo) carries tensors
 between them. A worker's exception reaches the driver as that worker's error, never a hang:
 every call waits on all workers and re-raises the first failure.
+
+One start-up serves every placement: a group says what it places (`layout`: the bundles, the
+actors, where each process group meets) and what their setups mean (`_adopt`); split placement
+(lorarl.workers.split_group) is another layout behind the same calls, which go to the workers
+that hold a training engine (`trainers`) or vLLM (`rollouts`).
 """
 
 from __future__ import annotations
@@ -266,8 +271,10 @@ class WorkerGroup:
 
     def _adopt(self, run: RunConfig, setups: list[WorkerSetup]) -> None:
         """What the workers' setups say: their data-parallel places, their sleep plans, and which
-        vLLM engine each holds a shard of."""
-        self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per worker
+        vLLM engine each holds a shard of. Colocated, every worker holds both a training engine
+        (the trainers: updates, checkpoints) and vLLM (the rollouts: generation)."""
+        self.trainers = self.rollouts = self.workers
+        self.dp = [(s.dp_rank, s.dp_size) for s in setups]  # per trainer
         self.dp_size = self.dp[0][1]
         self.sleep_plans = [s.sleep_plan for s in setups]
         self.rollout_sleeps = any(s.rollout_sleeps for s in setups)
@@ -298,22 +305,22 @@ class WorkerGroup:
     def generate(self, per_engine: list[GenerateRequest]) -> list[Rollouts]:
         """One request per rollout engine (rollout_size of them); one result per engine, from its
         first worker."""
-        refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)]
+        refs = [w.generate.remote(per_engine[e]) for w, e in zip(self.rollouts, self.rollout_replica)]
         return self._first_of(self.rollout_replica, refs, "generation")
 
     def start_generate(self, per_engine: list[GenerateRequest]) -> None:
         """`generate` begun on every worker in a thread of its own; returns once all began, so
         the next call (the update) runs beside it. collect_generate returns the results."""
-        self._get([w.generate_start.remote(per_engine[e]) for w, e in zip(self.workers, self.rollout_replica)])
+        self._get([w.generate_start.remote(per_engine[e]) for w, e in zip(self.rollouts, self.rollout_replica)])
 
     def collect_generate(self) -> list[Rollouts]:
         """The generation start_generate began: one result per engine, from its first worker."""
-        refs = [w.generate_collect.remote() for w in self.workers]
+        refs = [w.generate_collect.remote() for w in self.rollouts]
         return self._first_of(self.rollout_replica, refs, "generation")
 
     def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:
         """Sleep, log-probs, PPO update: one request and one report per data-parallel replica."""
-        refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.workers, self.dp)]
+        refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.trainers, self.dp)]
         return self._first_of([dp_rank for dp_rank, _ in self.dp], refs, "update")
 
     def sync(self, request: SyncRequest) -> list[SyncReport]:
@@ -321,17 +328,17 @@ class WorkerGroup:
         per_worker = self._get([w.sync.remote(request) for w in self.workers], "sync")
         return [SyncReport.merge(list(reports)) for reports in zip(*per_worker, strict=True)]
 
-    # ---- checkpoints ------------------------------------------------------------------------
+    # ---- checkpoints: the trainers hold all the state ---------------------------------------
 
     def save_checkpoint(self, directories: list[str]) -> None:
         """Each adapter's state into its folder (one per adapter the run trains)."""
-        self._get([w.save_checkpoint.remote(directories) for w in self.workers], "checkpoint save")
+        self._get([w.save_checkpoint.remote(directories) for w in self.trainers], "checkpoint save")
 
     def load_checkpoint(self, directories: list[str]) -> None:
-        self._get([w.load_checkpoint.remote(directories) for w in self.workers], "checkpoint load")
+        self._get([w.load_checkpoint.remote(directories) for w in self.trainers], "checkpoint load")
 
     def export_adapter(self, directories: list[str]) -> None:
-        self._get([w.export_adapter.remote(directories) for w in self.workers], "adapter export")
+        self._get([w.export_adapter.remote(directories) for w in self.trainers], "adapter export")
 
     def _first_of(self, groups: list[int], refs: list, what: str) -> list:
         """Every worker's result awaited (collectives stay in lockstep); the first worker's of

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from lorarl.config.run import RunConfig
-from lorarl.contract.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest, UpdateReport, UpdateRequest
+from lorarl.contract.messages import GenerateRequest, Rollouts, SyncReport, SyncRequest
 from lorarl.workers.group import Actor, Layout, WorkerGroup, describe_placement
 from lorarl.workers.split_workers import AWAKE_PLAN, RolloutWorker, TrainerWorker
 
@@ -66,10 +66,7 @@ class SplitWorkerGroup(WorkerGroup):
             f"({where(range(n_train, len(self.workers)))}); " + describe_placement(self.placement)
         )
 
-    # ---- the step ---------------------------------------------------------------------------
-
-    def generate(self, per_engine: list[GenerateRequest]) -> list[Rollouts]:
-        return self._get([w.generate.remote(r) for w, r in zip(self.rollouts, per_engine)], "generation")
+    # ---- the step: generation and the update as WorkerGroup's, on the rollouts and trainers ----
 
     def start_generate(self, per_engine: list[GenerateRequest]) -> None:
         """The generation begun on the rollout workers; the update that follows runs on the training
@@ -81,10 +78,6 @@ class SplitWorkerGroup(WorkerGroup):
         if refs is None:
             raise RuntimeError("collect_generate: no generation in flight (start_generate first)")
         return self._get(refs, "generation")
-
-    def update(self, per_replica: list[UpdateRequest]) -> list[UpdateReport]:
-        refs = [w.update.remote(per_replica[dp]) for w, (dp, _) in zip(self.trainers, self.dp)]
-        return self._first_of([dp_rank for dp_rank, _ in self.dp], refs, "update")
 
     def sync(self, request: SyncRequest) -> list[SyncReport]:
         """Export on the training workers, one object in Ray's store, loaded and checked on every
@@ -102,14 +95,3 @@ class SplitWorkerGroup(WorkerGroup):
                 report = self._get([worker.probe_judge.remote(trainer, report, time.perf_counter() - t0)], "probe")[0]
             reports.append(report)
         return [SyncReport.merge(reports)]  # one adapter
-
-    # ---- checkpoints: the training workers hold all the state --------------------------------
-
-    def save_checkpoint(self, directories: list[str]) -> None:
-        self._get([w.save_checkpoint.remote(directories) for w in self.trainers], "checkpoint save")
-
-    def load_checkpoint(self, directories: list[str]) -> None:
-        self._get([w.load_checkpoint.remote(directories) for w in self.trainers], "checkpoint load")
-
-    def export_adapter(self, directories: list[str]) -> None:
-        self._get([w.export_adapter.remote(directories) for w in self.trainers], "adapter export")

@@ -44,48 +44,34 @@ def build(
     model_path: str | os.PathLike,
     *,
     lora_rank: int | None,
-    max_model_len: int,
-    seed: int,
     on_cpu: bool,
     dtype: str = "auto",
-    gpu_memory_utilization: float = 0.5,
-    tensor_parallel_size: int = 1,
-    enable_expert_parallel: bool = False,
-    load_format: str = "auto",
-    enforce_eager: bool = True,
-    enable_sleep_mode: bool = False,
     kv_cache_memory_bytes: int | None = None,
-    trust_remote_code: bool = False,
     engine_kwargs: dict[str, Any] | None = None,
     max_loras: int = 1,
+    **args: Any,
 ) -> LLMArgs:
-    """A rollout engine's arguments. `on_cpu`: vLLM's CPU build serves it (the KV cache is then
-    sized in bytes, DEFAULT_CPU_KV_CACHE_BYTES unless given, and a float32 checkpoint may keep
-    its dtype with LoRA); `dtype` "auto" means the checkpoint's (lorarl.rollout.vllm.dtype);
-    `lora_rank` None: no LoRA (merged sync); `max_loras`: the adapters the run trains (a sweep
-    group's, with `lora_rank` the largest)."""
+    """A rollout engine's arguments: what depends on the checkpoint and the device resolved here,
+    `args` the other fields of LLMArgs by vLLM's names (max_model_len and seed among them).
+    `on_cpu`: vLLM's CPU build serves it (the KV cache is then sized in bytes,
+    DEFAULT_CPU_KV_CACHE_BYTES unless given, and a float32 checkpoint may keep its dtype with
+    LoRA); `dtype` "auto" means the checkpoint's (lorarl.rollout.vllm.dtype); `lora_rank` None: no
+    LoRA (merged sync); `max_loras`: the adapters the run trains (a sweep group's, with `lora_rank`
+    the largest)."""
     max_lora_rank = None if lora_rank is None else vllm_lora_rank(lora_rank)
     resolved_dtype = engine_dtype(model_path, dtype, on_cpu, lora=max_lora_rank is not None)
     engine_kwargs = dict(engine_kwargs or {})
     check_not_set_by_lorarl(engine_kwargs)
+    if kv_cache_memory_bytes is None and on_cpu:
+        # On CPU this replaces gpu_memory_utilization, which there reserves a share of host RAM.
+        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     return LLMArgs(
         model=str(model_path),
         dtype=resolved_dtype,
-        seed=seed,
-        max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel,
-        load_format=load_format,
-        enforce_eager=enforce_eager,
-        enable_sleep_mode=enable_sleep_mode,
-        gpu_memory_utilization=gpu_memory_utilization,
-        # On CPU this replaces gpu_memory_utilization, which there reserves a share of host RAM.
-        kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES
-        if kv_cache_memory_bytes is None and on_cpu
-        else kv_cache_memory_bytes,
-        trust_remote_code=trust_remote_code,
         max_lora_rank=max_lora_rank,
         max_loras=None if max_lora_rank is None else max_loras,
         lora_rank=lora_rank,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
         engine_kwargs=engine_kwargs,
+        **args,
     )
