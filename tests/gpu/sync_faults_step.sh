@@ -7,7 +7,8 @@
 # Megatron wheels for BACKEND=megatron):
 #   BACKEND=megatron bash tests/gpu/sync_faults_step.sh          Megatron-Bridge's export, checked
 #   bash tests/gpu/sync_faults_step.sh                           FSDP's
-# Extra Hydra overrides pass through. Writes $OUT/sync_faults_<backend>.txt (default OUT=/tmp/faults_out):
+# Extra Hydra overrides pass through (PARALLEL=1 runs them all at once: then give each engine a share
+# of the card, e.g. rollout.gpu_memory_utilization=0.1). Writes $OUT/sync_faults_<backend>.txt (default OUT=/tmp/faults_out):
 # per run its exit code, its error line, and each step's semantic and transport checks, probe and reward.
 set -uo pipefail
 OUT=${OUT:-/tmp/faults_out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ COMMON=(+backend=$B trainer.total_steps=2 trainer.val_before_train=false trainer
         rollout.enforce_eager=true trainer.check_sync_probe_freq=1 trainer.logger=[console,jsonl])
 one() {  # tag model fault [overrides...]
   local tag=$1 model=$2 fault=$3; shift 3
-  local dir=/tmp/faults_${B}_$tag t0=$(date +%s)
+  local dir=/tmp/faults_${B}_$tag t0=$(date +%s) S=$S.$tag
   timeout ${RUN_S:-240} $PY -m recipes.grpo "${COMMON[@]}" model=$model trainer.sync_fault=$fault hydra.run.dir=$dir "$@" \
     > "$dir.log" 2>&1
   local rc=$?
@@ -35,8 +36,15 @@ for r in rows:
 PYEOF
   if { [ $rc -ne 2 ] && [ "$fault" != null ]; } || { [ $rc -ne 0 ] && [ "$fault" = null ]; }; then tail -40 "$dir.log" >> "$S"; fi
 }
-one clean qwen2_tiny null "$@"
-for f in gate_up_swap qk_swap scale_x2 missing_module transpose; do one $f qwen2_tiny $f "$@"; done
-one moe_clean qwen3_moe_tiny null model.lora.merge=false "$@"
-one expert_swap qwen3_moe_tiny expert_swap model.lora.merge=false "$@"
+runs=(clean:qwen2_tiny:null gate_up_swap:qwen2_tiny:gate_up_swap qk_swap:qwen2_tiny:qk_swap scale_x2:qwen2_tiny:scale_x2
+      missing_module:qwen2_tiny:missing_module transpose:qwen2_tiny:transpose moe_clean:qwen3_moe_tiny:null
+      expert_swap:qwen3_moe_tiny:expert_swap)
+for r in "${runs[@]}"; do
+  IFS=: read -r tag model fault <<< "$r"
+  extra=(); [ "$model" = qwen3_moe_tiny ] && extra=(model.lora.merge=false)
+  if [ "${PARALLEL:-0}" = 1 ]; then one "$tag" "$model" "$fault" "${extra[@]}" "$@" & sleep 2
+  else one "$tag" "$model" "$fault" "${extra[@]}" "$@"; fi
+done
+wait
+for r in "${runs[@]}"; do cat "$S.${r%%:*}" >> "$S" && rm -f "$S.${r%%:*}"; done
 cat "$S"
