@@ -93,10 +93,10 @@ def test_a_step_enters_few_files_for_a_few_lines():
 def test_a_renamed_function_fails():
     """What the tests exist for: a name that is gone is an AttributeError, a file that is gone an
     ImportError, a count that no longer holds is seen."""
-    renamed = step_trace(DESIGN.replace("GRPOTrainer.train_step,", "GRPOTrainer.run_step,", 1))
-    assert ("driver/trainer.py", "GRPOTrainer.run_step") in renamed
+    renamed = step_trace(DESIGN.replace("GRPOTrainer.train_step,", "GRPOTrainer.gone_step,", 1))
+    assert ("driver/trainer.py", "GRPOTrainer.gone_step") in renamed
     with pytest.raises(AttributeError):
-        resolve("driver/trainer.py", "GRPOTrainer.run_step")
+        resolve("driver/trainer.py", "GRPOTrainer.gone_step")
     with pytest.raises(ImportError):
         resolve("sync/gone.py", "verify")
     file, n, names = step_rows(DESIGN)[0]

@@ -58,10 +58,6 @@ class AdapterRun:
         self.ended: str | None = None
         self.last_reward: float | None = None
 
-    @property
-    def active(self) -> bool:
-        return self.ended is None
-
     def start_tracking(self, several: bool) -> None:
         """Its metrics.jsonl (and wandb/tensorboard runs); `several`: other jobs track beside it."""
         tc = self.run.trainer

@@ -98,7 +98,7 @@ class GRPOTrainer:
 
     @property
     def active(self) -> list[AdapterRun]:
-        return [j for j in self.jobs if j.active]
+        return [j for j in self.jobs if j.ended is None]
 
     def say_all(self, line: str) -> None:
         """A line about every job: on the console once, in each job's log."""
@@ -170,7 +170,7 @@ class GRPOTrainer:
             pending = {}
         bar.close()
         self.finish()
-        return [job.last_reward if job.active else None for job in self.jobs]
+        return [job.last_reward if job.ended is None else None for job in self.jobs]
 
     def run_step(self, pending: dict[int, dict], bar) -> None:
         """One step of every active job, its validation and checkpoint when due, logged per job."""

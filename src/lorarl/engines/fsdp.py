@@ -258,7 +258,7 @@ class FSDPEngine:
         with ctx:
             results = []
             for p in prepared:
-                with self.router.route(self._segments(p[0])):
+                with self._routed(p[0]):
                     results.append(self._forward(*p, temperature, entropy="none")[0])
             if not self.spec.backend.reshard_after_forward:
                 # Before the adapter is turned back on, which sets requires_grad on whichever
@@ -282,18 +282,19 @@ class FSDPEngine:
             # Reduce-scatter the gradients once, after the last micro-batch.
             self.model.set_requires_gradient_sync(i == len(prepared) - 1)
             # The backward too: activation checkpointing runs the forward again there.
-            with self.router.route(self._segments(mb)):
+            with self._routed(mb):
                 logp, ent = self._forward(mb, first, padded, temperature, entropy)
                 loss, m = loss_fn(mb, logp, ent)
                 loss.backward()
             metrics.append(m)
         return read_metrics(metrics)
 
-    def _segments(self, mb: TrainBatch) -> Segments | None:
-        """Which rows of `mb` go through which adapter (None: the one adapter)."""
+    def _routed(self, mb: TrainBatch):
+        """The block inside which each row of `mb` goes through its own adapter (nothing to route
+        with one adapter)."""
         if len(self.adapter_names) == 1:
-            return None
-        return Segments.of(mb.adapter.tolist(), self.adapter_names)
+            return contextlib.nullcontext()
+        return self.router.route(Segments.of(mb.adapter.tolist(), self.adapter_names))
 
     def optimizer_step(self, step: int, skip: Sequence[int] = ()) -> list[float]:
         """Clip each adapter's gradient by its own norm and step its optimizer; every gradient
