@@ -42,7 +42,7 @@ runs=(clean:qwen2_tiny:null gate_up_swap:qwen2_tiny:gate_up_swap qk_swap:qwen2_t
 for r in "${runs[@]}"; do
   IFS=: read -r tag model fault <<< "$r"
   extra=(); [ "$model" = qwen3_moe_tiny ] && extra=(model.lora.merge=false)
-  if [ "${PARALLEL:-0}" = 1 ]; then one "$tag" "$model" "$fault" "${extra[@]}" "$@" & sleep 2
+  if [ "${PARALLEL:-0}" = 1 ]; then one "$tag" "$model" "$fault" "${extra[@]}" "$@" & sleep "${STAGGER_S:-5}"
   else one "$tag" "$model" "$fault" "${extra[@]}" "$@"; fi
 done
 wait
