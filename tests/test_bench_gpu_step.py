@@ -141,8 +141,8 @@ def test_trl_runs_lorarls_correction():
     assert set(TRL_IS_MODE) == set(CORRECTIONS) - {"none"}
 
 
+@pytest.mark.gpu  # needs TRL, which only the GPU machine's stack has (the CPU suite never skips)
 def test_trl_worker_builds_the_grpo_config_of_each_correction(tmp_path):
-    pytest.importorskip("trl")
     from bench.trl_grpo_worker import grpo_config, parse_args
 
     base = ["--model", "m", "--train-parquet", "p", "--out", str(tmp_path / "o.json"), "--prompts", "4", "--n", "4"]
