@@ -239,8 +239,8 @@ def main() -> None:
                 "timing/step": time.perf_counter() - t_step,
                 "rollout/tokens_per_s": tokens / t_gen,
                 "memory/max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                "actor/grad_norm": train.ppo.grad_norm,
-                "actor/kl_loss": train.ppo.kl_loss,
+                "actor/grad_norm": train.ppo[0].grad_norm,
+                "actor/kl_loss": train.ppo[0].kl_loss,
                 **sync.metrics(),
             }
         )
