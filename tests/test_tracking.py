@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from lorarl import metrics as keys
 from lorarl.telemetry.plot import plot
 from lorarl.telemetry.sweep import write_summary
 from lorarl.telemetry.tracking import Tracker, read_metrics, redact
@@ -152,3 +153,23 @@ def test_a_logger_without_its_package_names_the_extra(logger, monkeypatch):
     line = str(err.value)
     assert "\n" not in line
     assert f"trainer.logger={logger} needs the {logger} package" in line and f"pip install 'lorarl[{logger}]'" in line
+
+
+def test_a_sweep_reward_panel_names_each_job_once():
+    """Eight jobs of a sweep made a legend of 24 lines over the curves: a job's name now labels its
+    mean alone (the title says which line is which); one run keeps all three labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lorarl.telemetry.plot import _reward_panel
+
+    rows = [{"step": 1, keys.VAL_ACC.key: 0.5}, {"step": 2, keys.VAL_ACC.key: 0.6}]
+    fig, (sweep, one) = plt.subplots(1, 2)
+    for i in range(3):
+        _reward_panel(sweep, [1, 2], [0.1, 0.2], rows, f"C{i}", f"{i}_job")
+    _reward_panel(one, [1, 2], [0.1, 0.2], rows, "C0", None)
+    assert sweep.get_legend_handles_labels()[1] == ["0_job", "1_job", "2_job"]
+    assert len(one.get_legend_handles_labels()[1]) == 3
+    plt.close(fig)

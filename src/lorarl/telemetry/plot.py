@@ -27,6 +27,12 @@ LOG_SCALE = {"sync_parity"}  # fp32 runs sit near 1e-6, bf16 near 1e-2
 SMOOTH_WINDOW = 10
 
 
+SWEEP_REWARD_TITLE = (
+    f"reward per step (faint), its mean over the last {SMOOTH_WINDOW} steps (solid),\n"
+    "validation accuracy on held-out prompts (dashed, squares)"
+)
+
+
 def moving_average(values: list[float], window: int = SMOOTH_WINDOW) -> list[float]:
     """Trailing mean: point i averages values[max(0, i - window + 1) : i + 1]."""
     out, total = [], 0.0
@@ -58,7 +64,8 @@ def plot(path: str | Path) -> list[Path]:
     series = {run: read_metrics(run) for run in runs}
     written = []
     for stem, (key, label) in CURVES.items():
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        # A sweep's legend (one line per job) goes beside the axes, where it hides no curve.
+        fig, ax = plt.subplots(figsize=(6, 3.5) if len(runs) == 1 else (8.5, 3.5))
         drawn = False
         for i, (run, rows) in enumerate(series.items()):
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -79,9 +86,11 @@ def plot(path: str | Path) -> list[Path]:
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
-        ax.set_title(label)
+        ax.set_title(label if len(runs) == 1 or stem != "reward" else SWEEP_REWARD_TITLE, fontsize=9)
         ax.grid(alpha=0.3)
-        if len(runs) > 1 or stem == "reward":
+        if len(runs) > 1:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        elif stem == "reward":
             ax.legend(fontsize=7)
         fig.tight_layout()
         out = path / f"plot_{stem}.png"
@@ -92,15 +101,16 @@ def plot(path: str | Path) -> list[Path]:
 
 
 def _reward_panel(ax, xs, ys, rows, color, name) -> None:
-    """Raw reward (faint), its trailing mean, and the validation accuracy at the steps it was measured."""
-    tag = f"{name}: " if name else ""
-    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=f"{tag}reward, per step")
+    """Raw reward (faint), its trailing mean, and the validation accuracy at the steps it was measured.
+    One run: each of the three in the legend; a job of a sweep (`name`): the job's name on its mean
+    alone (the title says which line is which)."""
+    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=None if name else "reward, per step")
     ax.plot(
         xs,
         moving_average(list(ys)),
         color=color,
         linewidth=2.0,
-        label=f"{tag}reward, mean of last {SMOOTH_WINDOW} steps",
+        label=name or f"reward, mean of last {SMOOTH_WINDOW} steps",
     )
     val = [(r["step"], r[keys.VAL_ACC.key]) for r in rows if isinstance(r.get(keys.VAL_ACC.key), (int, float))]
     if val:
@@ -108,7 +118,13 @@ def _reward_panel(ax, xs, ys, rows, color, name) -> None:
         # One run: its own colour, so the points stand apart from the reward; a sweep: the run's colour.
         color = "C1" if not name else color
         ax.plot(
-            vx, vy, color=color, linestyle="--", marker="s", markersize=5, label=f"{tag}validation accuracy (held out)"
+            vx,
+            vy,
+            color=color,
+            linestyle="--",
+            marker="s",
+            markersize=5,
+            label=None if name else "validation accuracy (held out)",
         )
         for x, y in (val[0], val[-1]) if len(val) > 1 else val[:1]:
             ax.annotate(
