@@ -100,8 +100,10 @@ class RolloutWorker(Worker):
                 adapter_transport=spec.rollout.adapter_transport,
                 fingerprint_base=spec.rollout.fingerprint_base,
             )
-            # generate() sets the probe sequences through sync_session (duck-typed: wants_probes, set_probes).
-            self.sync_session = self.receiver = SyncReceiver(spec.sync, self.rollout, self.index)
+            self.receiver = SyncReceiver(spec.sync, self.rollout, self.index)
+            # The one adapter's session as generate() sees it: it sets the probe sequences there
+            # (duck-typed: wants_probes, set_probes).
+            self.sync_sessions = [self.receiver]
             return RolloutSetup(self.rollout.torch_dtype, AWAKE_PLAN, time.perf_counter() - t0)
 
     def sync_receive(self, bundles: list[SyncBundle], request: SyncRequest) -> tuple[SyncReport, list | None]:
