@@ -41,10 +41,14 @@ from lorarl.engines.megatron.projections import (
     SUB_PROJECTIONS,
     MegatronShape,
     Reduce,
+    concat,
+    every_expert,
+    expert_path,
     global_layer_names,
     hf_path,
     in_features,
     row_map,
+    summed,
 )
 from lorarl.errors import SyncError
 from lorarl.sync.semantic import PROJECTIONS, signs, unit_roundoff
@@ -192,26 +196,10 @@ def megatron_base_shares(
             dense_flats.append(sums.reshape(-1))
         else:
             groups.setdefault((base.layer, base.linear), {})[base.expert] = (paths, sums.reshape(-1))
-    experts: list[tuple[list[str], int]] = []
-    expert_flats: list[Tensor] = []
-    for key in sorted(groups):
-        group = groups[key]
-        some_paths, some_flat = next(iter(group.values()))
-        for e in range(shape.experts):
-            paths, flat = group.get(e) or (
-                [re.sub(r"\.experts\.\d+\.", f".experts.{e}.", p) for p in some_paths],
-                torch.zeros_like(some_flat),
-            )
-            experts.append((paths, flat.numel()))
-            expert_flats.append(flat)
-    empty = torch.zeros(0, dtype=torch.float64)
-    return BaseShares(
-        dense,
-        torch.cat(dense_flats) if dense_flats else empty,
-        experts,
-        torch.cat(expert_flats) if expert_flats else empty,
-        unit_roundoff(*{b.weight.dtype for b in bases}),
-    )
+    entries, experts_flat = every_expert(groups, shape.experts, lambda paths, e: [expert_path(p, e) for p in paths])
+    experts = [(paths, numel) for _, paths, numel in entries]
+    roundoff = unit_roundoff(*{b.weight.dtype for b in bases})
+    return BaseShares(dense, concat(dense_flats), experts, experts_flat, roundoff)
 
 
 def finish_base(
@@ -242,11 +230,7 @@ def megatron_base_projections(
     base weights. Collective when the reduces are given: one sum over the tensor-parallel group for
     dense layers, one over the expert tensor-and-model-parallel group for experts."""
     shares = megatron_base_shares(weights, adapters, shape, count)
-    dense, experts = shares.dense_flat, shares.experts_flat
-    if reduce_dense is not None and dense.numel():
-        dense = reduce_dense(dense)
-    if reduce_experts is not None and experts.numel():
-        experts = reduce_experts(experts)
+    dense, experts = summed(shares, reduce_dense, reduce_experts)
     modules = {**finish_base(shares.dense, dense, count), **finish_base(shares.experts, experts, count)}
     return BaseProjections(modules, shares.roundoff)
 

@@ -201,34 +201,50 @@ def megatron_shares(
     """This rank's shares of every adapter's projections (see `megatron_lora_projections`)."""
     dense: list[Entry] = []
     dense_flats: list[Tensor] = []
-    groups: dict[tuple, dict[int, tuple[list, Tensor, float]]] = {}
+    groups: dict[tuple, dict[int, tuple[list, Tensor]]] = {}
+    scales: dict[tuple, float] = {}  # one scaling per group: its experts' adapters share the config
     for ad in _adapters(params, scaling, shape):
         paths, flat = _shares(ad, shape, count)
         if ad.expert is None:
             dense.append((paths, flat.numel(), ad.scaling))
             dense_flats.append(flat)
         else:
-            groups.setdefault((ad.layer, ad.linear, ad.sub or ""), {})[ad.expert] = (paths, flat, ad.scaling)
-    experts: list[Entry] = []
-    expert_flats: list[Tensor] = []
+            key = (ad.layer, ad.linear, ad.sub or "")
+            groups.setdefault(key, {})[ad.expert] = (paths, flat)
+            scales.setdefault(key, ad.scaling)
+    entries, experts_flat = every_expert(
+        groups, shape.experts, lambda paths, e: [(expert_path(p, e), o, i) for p, o, i in paths]
+    )
+    experts = [(paths, numel, scales[key]) for key, paths, numel in entries]
+    return Shares(dense, concat(dense_flats), experts, experts_flat)
+
+
+def expert_path(path: str, expert: int) -> str:
+    """An HF expert module path renamed to global expert `expert`."""
+    return re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", path)
+
+
+def every_expert(
+    groups: Mapping[tuple, Mapping[int, tuple[list, Tensor]]], experts: int, renamed: Callable[[list, int], list]
+) -> tuple[list[tuple[tuple, list, int]], Tensor]:
+    """Each group's (layer, linear, ...) shares for every global expert in turn, laid out the same on
+    every expert-parallel rank so that a sum over them gives each expert once: where another rank
+    holds an expert, zeros under the group's paths `renamed` to it. ([(group key, paths, length)],
+    the shares flat)."""
+    entries, flats = [], []
     for key in sorted(groups):
         group = groups[key]
-        some_paths, some_flat, s = next(iter(group.values()))
-        for e in range(shape.experts):
-            if e in group:
-                paths, flat, _ = group[e]
-            else:
-                paths = [(re.sub(r"\.experts\.\d+\.", f".experts.{e}.", p), o, i) for p, o, i in some_paths]
-                flat = torch.zeros_like(some_flat)
-            experts.append((paths, flat.numel(), s))
-            expert_flats.append(flat)
-    empty = torch.zeros(0, dtype=torch.float64)
-    return Shares(
-        dense,
-        torch.cat(dense_flats) if dense_flats else empty,
-        experts,
-        torch.cat(expert_flats) if expert_flats else empty,
-    )
+        some_paths, some_flat = next(iter(group.values()))
+        for e in range(experts):
+            paths, flat = group[e] if e in group else (renamed(some_paths, e), torch.zeros_like(some_flat))
+            entries.append((key, paths, flat.numel()))
+            flats.append(flat)
+    return entries, concat(flats)
+
+
+def concat(flats: list[Tensor]) -> Tensor:
+    """The shares end to end (float64; empty when there are none)."""
+    return torch.cat(flats) if flats else torch.zeros(0, dtype=torch.float64)
 
 
 def megatron_lora_projections(
@@ -244,12 +260,19 @@ def megatron_lora_projections(
     reduces are given: one sum over the tensor-parallel group for dense layers, one over the
     expert tensor-and-model-parallel group for experts."""
     shares = megatron_shares(params, scaling, shape, count)
+    dense, experts = summed(shares, reduce_dense, reduce_experts)
+    return {**finish(shares.dense, dense, shape.rank, count), **finish(shares.experts, experts, shape.rank, count)}
+
+
+def summed(shares, reduce_dense: Reduce | None, reduce_experts: Reduce | None) -> tuple[Tensor, Tensor]:
+    """A rank's (dense, expert) shares (`Shares` or base_projections' `BaseShares`) summed over their
+    groups, each reduce run only where there is something to sum; as they are without reduces."""
     dense, experts = shares.dense_flat, shares.experts_flat
     if reduce_dense is not None and dense.numel():
         dense = reduce_dense(dense)
     if reduce_experts is not None and experts.numel():
         experts = reduce_experts(experts)
-    return {**finish(shares.dense, dense, shape.rank, count), **finish(shares.experts, experts, shape.rank, count)}
+    return dense, experts
 
 
 def finish(entries: list[Entry], flat: Tensor, r: int, count: int = PROJECTIONS) -> dict[str, Projection]:
